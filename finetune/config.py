@@ -1,0 +1,367 @@
+"""Typed config schema: the only home of defaults.
+
+A config is a YAML file (read with YAML 1.2 rules for numbers and booleans) plus dotted
+command-line overrides (`train.learning_rate=3e-5`). Unknown keys are errors with a
+did-you-mean suggestion, and every problem is reported at once in one `UserError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from finetune.errors import UserError
+
+# ----------------------------------------------------------------------------------------------
+# YAML 1.2 scalars. PyYAML follows YAML 1.1: `3e-5` is a string and `no`/`on` are booleans.
+# This loader resolves numbers and booleans by the YAML 1.2 core schema instead; the schema
+# below still accepts `no`/`off`/`yes`/`on` where a boolean is expected (pydantic coerces them),
+# while a string field keeps them as text (a label called "no" stays "no").
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """`yaml.SafeLoader` with YAML 1.2 core-schema resolution of bool, int and float."""
+
+
+Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def _construct_int12(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text.startswith("0o"):
+        return int(text[2:], 8)
+    if text.startswith("0x"):
+        return int(text[2:], 16)
+    return int(text)  # YAML 1.1 would read "010" as octal 8
+
+
+def _construct_bool12(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> bool:
+    return loader.construct_scalar(node).lower() == "true"
+
+
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _construct_int12)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool12)
+
+
+def parse_yaml12(text: str, source: str = "<string>") -> Any:
+    """Parse YAML text with YAML 1.2 number/bool rules; raise UserError naming the line on bad YAML."""
+    try:
+        return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"{source} is not valid YAML{where}: {problem}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The schema.
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    output_dir: str
+    seed: int = 42
+    overwrite: bool = False
+
+
+class LoraConfig(_Section):
+    r: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["query", "value"]
+
+
+class ModelConfig(_Section):
+    name_or_path: str | None = "minilm-l6"
+    architecture: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    freeze_embeddings: bool = False
+    lora: LoraConfig | None = None
+    compile: bool = False
+    compile_mode: str | None = None
+    compile_dynamic: bool | None = None
+    compile_backend: str = "inductor"
+
+    @model_validator(mode="after")
+    def _source(self) -> "ModelConfig":
+        if self.architecture is not None and self.tokenizer is None:
+            raise ValueError("model.architecture builds a model from scratch and needs model.tokenizer")
+        if self.architecture is None and self.name_or_path is None:
+            raise ValueError("set model.name_or_path (or model.architecture with model.tokenizer)")
+        return self
+
+
+class DataConfig(_Section):
+    data_dir: str | None = None
+    train_file: str | None = None
+    validation_file: str | None = None
+    test_file: str | None = None
+    hub_dataset: str | None = None
+    hub_config: str | None = None
+    hub_train_split: str = "train"
+    hub_validation_split: str | None = "validation"
+    hub_test_split: str | None = None
+    format: Literal["auto", "csv", "tsv", "json", "jsonl", "parquet", "text"] = "auto"
+    delimiter: str | None = None
+    quoting: Literal["minimal", "none"] = "minimal"
+    header: bool = True
+    column_names: list[str] | None = None
+    encoding: str = "utf-8"
+    line_regex: str | None = None
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    labels: list[str] | None = None
+    label_map: dict[str, str] | None = None
+    validation_split: float | None = Field(None, gt=0.0, lt=1.0)
+    max_length: PositiveInt = 128
+    max_train_samples: PositiveInt | None = None
+    max_eval_samples: PositiveInt | None = None
+    group_by_length: bool = True
+    num_workers: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _sources(self) -> "DataConfig":
+        if self.train_file is None and self.hub_dataset is None:
+            raise ValueError("set data.train_file (or data.hub_dataset)")
+        if self.train_file is not None and self.hub_dataset is not None:
+            raise ValueError("set only one of data.train_file and data.hub_dataset")
+        if self.validation_split is not None and (self.validation_file is not None):
+            raise ValueError("data.validation_split carves a validation set from train: do not also set data.validation_file")
+        if self.line_regex is not None:
+            try:
+                rx = re.compile(self.line_regex)
+            except re.error as exc:
+                raise ValueError(f"data.line_regex is not a valid regular expression: {exc}") from None
+            missing = {self.text_column, self.label_column} - set(rx.groupindex)
+            if missing:
+                raise ValueError(f"data.line_regex needs named groups {sorted(missing)} (data.text_column / data.label_column)")
+        return self
+
+
+class TrainConfig(_Section):
+    epochs: PositiveFloat = 3
+    max_steps: PositiveInt | None = None
+    micro_batch_size: Union[PositiveInt, Literal["auto"]] = 32
+    gradient_accumulation_steps: PositiveInt = 1
+    batch_size: PositiveInt | None = None
+    learning_rate: PositiveFloat = 5e-5
+    weight_decay: float = Field(0.01, ge=0.0)
+    warmup_ratio: float = Field(0.06, ge=0.0, lt=1.0)
+    warmup_steps: int | None = Field(None, ge=0)
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    optimizer: Literal["adamw", "adamw8bit", "adafactor"] = "adamw"
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_epsilon: PositiveFloat = 1e-8
+    max_grad_norm: PositiveFloat | None = 1.0
+    eval_every_steps: PositiveInt | None = None
+    log_every_steps: PositiveInt = 10
+    nonfinite: Literal["stop", "skip"] = "stop"
+    early_stopping_patience: PositiveInt | None = None
+
+
+class PrecisionConfig(_Section):
+    mode: Literal["fp32", "fp16", "bf16", "bf16-true"] = "fp32"
+    fp32_norms: bool | None = None  # None: on for bf16-true, off otherwise
+    norm_class_names: list[str] = []
+    bf16_update: Literal["stochastic", "kahan", "plain"] = "kahan"
+    allow_dtype_mismatch: bool = False
+    empty_cache: bool = True
+    deterministic: bool = False
+
+
+class CheckpointConfig(_Section):
+    every_steps: PositiveInt | None = None
+    resume: str | None = None  # auto | <path> | null
+    keep_last: PositiveInt = 2
+    best_metric: str = "accuracy"
+    export: Literal["last", "best"] = "last"
+
+
+class MemoryConfig(_Section):
+    budget_gb: PositiveFloat | None = None
+    record_history: bool = False
+
+
+class LogConfig(_Section):
+    trackers: list[Literal["tensorboard"]] = []
+
+
+class Config(_Section):
+    """The whole run: every section with its defaults."""
+
+    run: RunConfig
+    model: ModelConfig = ModelConfig()
+    data: DataConfig
+    train: TrainConfig = TrainConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    memory: MemoryConfig = MemoryConfig()
+    log: LogConfig = LogConfig()
+
+    @model_validator(mode="after")
+    def _batch(self) -> "Config":
+        t = self.train
+        if t.micro_batch_size == "auto" and self.memory.budget_gb is None:
+            raise ValueError("train.micro_batch_size=auto needs memory.budget_gb")
+        if t.micro_batch_size == "auto" and t.batch_size is None:
+            raise ValueError("train.micro_batch_size=auto needs train.batch_size (the effective batch to keep)")
+        if self.model.lora is not None and self.model.freeze_embeddings:
+            pass  # compatible: LoRA freezes the base anyway
+        return self
+
+    def resolved_path(self, path: str | None) -> Path | None:
+        """A data path resolved against `data.data_dir` when relative."""
+        if path is None:
+            return None
+        p = Path(path).expanduser()
+        if not p.is_absolute() and self.data.data_dir is not None:
+            p = Path(self.data.data_dir).expanduser() / p
+        return p
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading, overrides and error reporting.
+
+_ENV_RX = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _expand_env(value: Any) -> Any:
+    """Expand ${VAR} and ${VAR:-default} in every string of a nested structure."""
+    if isinstance(value, str):
+        def repl(m: re.Match[str]) -> str:
+            var, default = m.group(1), m.group(2)
+            got = os.environ.get(var)
+            if got is None or got == "":
+                if default is None:
+                    raise UserError(f"environment variable {var} is not set (used as ${{{var}}} in the config)")
+                return default
+            return got
+        return _ENV_RX.sub(repl, value)
+    if isinstance(value, dict):
+        return {k: _expand_env(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_env(v) for v in value]
+    return value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides; values are YAML 1.2 scalars (or flow lists/maps)."""
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"override {item!r} is not of the form dotted.key=value")
+        key, _, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise UserError(f"override {item!r} has an empty key part")
+        value = parse_yaml12(text, source=f"override {key}") if text.strip() else None
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _schema_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The schema class that holds the field at `loc` (for did-you-mean suggestions)."""
+    cls: Any = Config
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        cls = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if cls is None:
+            return None
+    return cls
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    problems = []
+    for err in exc.errors():
+        # drop pydantic's union-branch markers such as 'int' / 'literal[...]' from the location
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p.startswith(("literal[", "function-")) or p in ("int", "float", "str", "bool", "constrained-int", "constrained-float"))))
+        key = ".".join(str(p) for p in loc) or "config"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            cls = _schema_at(loc)
+            names = list(cls.model_fields) if cls else []
+            close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+            hint = f" (did you mean {'.'.join(str(p) for p in loc[:-1] + (close[0],))}?)" if close else ""
+            problems.append(f"{key}: unknown key{hint}")
+        elif kind == "missing":
+            problems.append(f"{key}: required key is missing")
+        elif kind in ("value_error", "assertion_error"):
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(msg if key == "config" or msg.startswith(key) else f"{key}: {msg}")
+        else:
+            problems.append(f"{key}: {err['msg'].lower()} (got {err.get('input')!r})")
+    # one problem per key is enough: unions report each branch
+    seen: dict[str, str] = {}
+    for p in problems:
+        seen.setdefault(p.split(":")[0], p)
+    return list(seen.values())
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read, override and validate a config; raise one UserError that lists every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not UTF-8 text") from None
+    raw = parse_yaml12(text, source=str(path))
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a mapping of sections (run, model, data, ...)")
+    raw = apply_overrides(raw, list(overrides or []))
+    return validate_config(raw, source=str(path))
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
+    """Validate a raw mapping (env vars expanded) into a Config, listing all problems at once."""
+    raw = _expand_env(raw)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        problems = _format_errors(exc)
+        if len(problems) == 1:
+            raise UserError(f"{source}: {problems[0]}") from None
+        raise UserError(f"{source}: {len(problems)} problems: " + "; ".join(problems)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as YAML (what `config.yaml` in a run directory holds)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

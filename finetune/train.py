@@ -1,0 +1,401 @@
+"""Fine-tune a text classifier: `accelerate launch finetune/train.py --config CONFIG [key=value ...]`.
+
+Setup lives in small `build_*` functions; `train()` is the one loop, read top to bottom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python finetune/train.py` / `accelerate launch finetune/train.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from finetune import checkpoint as ckpt
+from finetune.config import Config, dump_config, load_config
+from finetune.data import (
+    build_data_report,
+    build_eval_loader,
+    build_train_loader,
+    file_sha256,
+    format_data_report,
+    load_raw_splits,
+    tokenize_split,
+)
+from finetune.errors import UserError
+from finetune.metrics import classification_metrics, plot_curves
+from finetune.model import build_model, build_tokenizer, count_parameters
+from finetune.precision import accelerate_mixed_precision, check_supported, fp32_cross_entropy
+
+logger = logging.getLogger("finetune")
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup.
+
+
+def build_accelerator(cfg: Config) -> Accelerator:
+    """Accelerator with mixed precision, gradient accumulation and global (split) batches."""
+    accelerator = Accelerator(
+        mixed_precision=accelerate_mixed_precision(cfg.precision.mode),
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+        # batches are global (micro-batch x processes) and split across ranks: the scheduler
+        # then steps once per optimizer step and every rank sees its slice of the same batch
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+        log_with=list(cfg.log.trackers) or None,
+        project_dir=cfg.run.output_dir,
+    )
+    check_supported(cfg.precision.mode, accelerator.device)
+    return accelerator
+
+
+def check_output_dir(cfg: Config) -> Path:
+    """Refuse a non-empty output directory unless resuming or `run.overwrite=true` (writes nothing)."""
+    out = Path(cfg.run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"run.output_dir {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and cfg.checkpoint.resume is None and not cfg.run.overwrite:
+        raise UserError(f"run.output_dir {out} is not empty; set run.overwrite=true or checkpoint.resume=auto")
+    return out
+
+
+@dataclass
+class Data:
+    """Tokenized splits and what was learned about them."""
+
+    train: Any
+    validation: Any
+    test: Any
+    label_names: list[str]
+    report: dict[str, Any]
+    files: dict[str, Path]
+
+
+def build_data(cfg: Config, tokenizer: Any) -> Data:
+    """Read and tokenize all splits; build the data report."""
+    raw = load_raw_splits(cfg)
+    label_ids = {raw_value: raw.label_names.index(name) for raw_value, name in raw.raw_to_name.items() if name in raw.label_names}
+    tok = {
+        name: tokenize_split(ds, tokenizer, cfg.data.max_length, label_ids)
+        for name, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test))
+        if ds is not None
+    }
+    report = build_data_report(raw, tok)
+    return Data(tok["train"], tok.get("validation"), tok.get("test"), raw.label_names, report, raw.files)
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with no weight decay on biases and norm weights (every parameter with ndim < 2)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    t = cfg.train
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
+def planned_steps(cfg: Config, windows_per_epoch: int) -> tuple[int, int]:
+    """(total optimizer steps, epochs to iterate): whichever of epochs and max_steps ends first."""
+    total = math.ceil(cfg.train.epochs * windows_per_epoch)
+    if cfg.train.max_steps is not None:
+        total = min(total, cfg.train.max_steps)
+    return total, math.ceil(total / windows_per_epoch)
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    """Warmup then linear/cosine/constant decay, counted in optimizer steps."""
+    warmup = cfg.train.warmup_steps if cfg.train.warmup_steps is not None else round(cfg.train.warmup_ratio * total_steps)
+    name = "constant_with_warmup" if cfg.train.lr_scheduler == "constant" else cfg.train.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+def provenance(cfg: Config, files: dict[str, Path]) -> dict[str, Any]:
+    """Library versions, git commit and data-file hashes."""
+    import accelerate
+    import datasets
+    import transformers
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "datasets": datasets.__version__,
+        "git_commit": commit,
+        "data_files": {split: {"path": str(p), "sha256": file_sha256(p)} for split, p in files.items()},
+        "command": sys.argv,
+    }
+
+
+def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
+    """Log to stderr on the main process (and to train.log in the run directory)."""
+    logger.handlers.clear()
+    logger.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
+    logger.propagate = False
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(stream)
+    if run_dir is not None and accelerator.is_main_process:
+        fh = logging.FileHandler(run_dir / "train.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(fh)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: Any, accelerator: Accelerator, label_names: list[str]) -> dict[str, Any]:
+    """Metrics over a prepared loader; `gather_for_metrics` drops the duplicates of padded batches."""
+    model.eval()
+    preds, refs = [], []
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for batch in loader:
+        labels = batch.pop("labels")
+        logits = model(**batch).logits
+        loss_sum += fp32_cross_entropy(logits, labels).sum()
+        p, r = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+        preds.append(p.cpu())
+        refs.append(r.cpu())
+    model.train()
+    y_pred, y_true = torch.cat(preds).tolist(), torch.cat(refs).tolist()
+    metrics = classification_metrics(y_true, y_pred, label_names)
+    metrics["loss"] = float(accelerator.reduce(loss_sum, "sum")) / max(1, len(y_true))
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# The run.
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    """Run one fine-tuning job end to end; return the final evaluation metrics."""
+    run_dir = check_output_dir(cfg)
+    accelerator = build_accelerator(cfg)
+    setup_logging(accelerator, None)
+    set_seed(cfg.run.seed)
+
+    # Everything that can fail on user input happens before the output directory is touched.
+    tokenizer = build_tokenizer(cfg)
+    data = build_data(cfg, tokenizer)
+    model = build_model(cfg, data.label_names, tokenizer)
+    P, G = accelerator.num_processes, cfg.train.gradient_accumulation_steps
+    micro = int(cfg.train.micro_batch_size)
+    train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P)
+    eval_loader = build_eval_loader(data.validation, tokenizer, micro * 2) if data.validation is not None else None
+    test_loader = build_eval_loader(data.test, tokenizer, micro * 2) if data.test is not None else None
+    windows_per_epoch = sampler.num_windows()
+    total_steps, num_epochs = planned_steps(cfg, windows_per_epoch)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, total_steps)
+    resume_from = ckpt.find_resume_checkpoint(cfg.checkpoint.resume, run_dir)
+
+    if accelerator.is_main_process:
+        if cfg.run.overwrite and resume_from is None:
+            ckpt.remove_tree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        (run_dir / "labels.json").write_text(json.dumps(data.label_names))
+        (run_dir / "provenance.json").write_text(json.dumps(provenance(cfg, data.files), indent=2))
+        (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=2))
+    accelerator.wait_for_everyone()
+    setup_logging(accelerator, run_dir)
+    logger.info(format_data_report(data.report))
+    trainable, total_params = count_parameters(model)
+    logger.info(
+        f"model: {trainable:,} trainable / {total_params:,} parameters; {len(data.label_names)} labels; "
+        f"precision {cfg.precision.mode}; {P} process(es) x micro-batch {micro} x accumulation {G} "
+        f"= effective batch {micro * G * P}; {total_steps} optimizer steps over {num_epochs} epoch(s)"
+    )
+    if cfg.log.trackers:
+        accelerator.init_trackers("finetune", config={"precision": cfg.precision.mode, "lr": cfg.train.learning_rate})
+
+    prepared = accelerator.prepare(model, optimizer, train_loader, scheduler, *[l for l in (eval_loader, test_loader) if l is not None])
+    model, optimizer, train_loader, scheduler = prepared[:4]
+    rest = list(prepared[4:])
+    eval_loader = rest.pop(0) if eval_loader is not None else None
+    test_loader = rest.pop(0) if test_loader is not None else None
+
+    step, epoch, batches_done = 0, 0, 0  # optimizer steps, epoch, micro-batches consumed this epoch
+    last_eval: dict[str, Any] = {}
+    if resume_from is not None:
+        progress = ckpt.load_checkpoint(accelerator, resume_from)
+        step, epoch, batches_done = progress["step"], progress["epoch"], progress["batches_in_epoch"]
+        last_eval = progress.get("eval", {})
+        logger.info(f"resumed from {resume_from} at step {step} (epoch {epoch}, {batches_done} batches in)")
+
+    metrics_file = run_dir / "metrics.jsonl"
+    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
+    # running sums since the last log line, kept on device: no host sync inside the step
+    loss_sum = torch.zeros((), device=accelerator.device)
+    samples = torch.zeros((), device=accelerator.device)
+    real_tokens = torch.zeros((), device=accelerator.device)
+    total_tokens = torch.zeros((), device=accelerator.device)
+    t_log = time.perf_counter()
+
+    def progress_state() -> dict[str, Any]:
+        return {"step": step, "epoch": epoch, "batches_in_epoch": batches_done, "data_seed": cfg.run.seed, "eval": last_eval}
+
+    def save(at_step: int) -> None:
+        ckpt.save_checkpoint(accelerator, run_dir, at_step, progress_state(), {"config.yaml": dump_config(cfg), "eval.json": json.dumps(last_eval, indent=2)})
+
+    model.train()
+    while step < total_steps and epoch < num_epochs:
+        sampler.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
+        for batch in loader:
+            batches_done += 1
+            labels = batch.pop("labels")
+            weight = batch.pop("sample_weight")
+            window_samples = batch.pop("window_samples")
+            with accelerator.accumulate(model):
+                logits = model(**batch).logits
+                per_sample = fp32_cross_entropy(logits, labels) * weight
+                # Exact accumulation: sum over the window's true sample count (short tail window and
+                # all processes included); x G x P cancels Accelerate's /G and DDP's mean.
+                loss = per_sample.sum() * (G * P) / window_samples
+                accelerator.backward(loss)
+                loss_sum += per_sample.detach().sum()
+                samples += weight.sum()
+                real_tokens += batch["attention_mask"].sum()
+                total_tokens += batch["attention_mask"].numel()
+                if accelerator.sync_gradients:
+                    if cfg.train.max_grad_norm is not None:
+                        accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+            if not accelerator.sync_gradients:
+                continue
+
+            step += 1
+            bar.update(1)
+            if step % cfg.train.log_every_steps == 0 or step == total_steps:
+                sums = accelerator.reduce(torch.stack([loss_sum, samples, real_tokens, total_tokens]), "sum").tolist()
+                elapsed = time.perf_counter() - t_log
+                row = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": sums[0] / max(sums[1], 1.0),
+                    "lr": scheduler.get_last_lr()[0],
+                    "samples_per_s": sums[1] / max(elapsed, 1e-9),
+                    "padding_fraction": 1.0 - sums[2] / max(sums[3], 1.0),
+                }
+                if accelerator.is_main_process:
+                    with metrics_file.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", sps=f"{row['samples_per_s']:.1f}")
+                accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
+                loss_sum.zero_(), samples.zero_(), real_tokens.zero_(), total_tokens.zero_()
+                t_log = time.perf_counter()
+            if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 and step < total_steps:
+                t_eval = time.perf_counter()
+                last_eval = evaluate(model, eval_loader, accelerator, data.label_names)
+                eval_row = {"step": step, "eval_accuracy": last_eval["accuracy"], "eval_macro_f1": last_eval["macro_f1"], "eval_loss": last_eval["loss"]}
+                if accelerator.is_main_process:
+                    with metrics_file.open("a") as f:
+                        f.write(json.dumps(eval_row) + "\n")
+                accelerator.log({k: v for k, v in eval_row.items() if k != "step"}, step=step)
+                bar.write(f"step {step}: eval accuracy {last_eval['accuracy']:.4f}, macro-F1 {last_eval['macro_f1']:.4f}")
+                t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
+                save(step)
+            if step >= total_steps:
+                break
+        else:
+            epoch, batches_done = epoch + 1, 0
+            continue
+        break
+    bar.close()
+
+    # Final evaluation, final checkpoint and export.
+    final: dict[str, Any] = {}
+    if eval_loader is not None:
+        final = evaluate(model, eval_loader, accelerator, data.label_names)
+        last_eval = final
+    if test_loader is not None:
+        final["test"] = evaluate(model, test_loader, accelerator, data.label_names)
+    if accelerator.is_main_process:
+        row = {"step": step}
+        if eval_loader is not None:
+            row.update(eval_accuracy=final["accuracy"], eval_macro_f1=final["macro_f1"], eval_loss=final["loss"])
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+    if cfg.checkpoint.every_steps:
+        save(step)
+    export_final(accelerator, model, tokenizer, run_dir / "final")
+    if accelerator.is_main_process:
+        if metrics_file.exists():
+            plot_curves(metrics_file, run_dir / "curves.png")
+        summary = f"done: {step} steps"
+        if "accuracy" in final:
+            summary += f"; validation accuracy {final['accuracy']:.4f}, macro-F1 {final['macro_f1']:.4f}"
+        if "test" in final:
+            summary += f"; test accuracy {final['test']['accuracy']:.4f}"
+        logger.info(summary + f"; model in {run_dir / 'final'}")
+    accelerator.end_training()
+    return final
+
+
+def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline)."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        ckpt.remove_tree(out)
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(out, safe_serialization=True, state_dict=accelerator.get_state_dict(model))
+        tokenizer.save_pretrained(out)
+    accelerator.wait_for_everyone()
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points.
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """`--config CONFIG [dotted.key=value ...]`."""
+    parser = argparse.ArgumentParser(prog="finetune train", description="Fine-tune a text classifier from a YAML config.")
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.learning_rate=3e-5")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, validate and train; a user error prints one line and returns 2."""
+    try:
+        args = parse_args(argv)
+        cfg = load_config(args.config, args.overrides)
+        train(cfg)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
