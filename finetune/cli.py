@@ -1,0 +1,149 @@
+"""`finetune train | evaluate | predict`: thin argument parsing around the modules."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UserError
+
+
+def _cmd_train(argv: list[str]) -> int:
+    from finetune.train import main as train_main
+
+    return train_main(argv)
+
+
+def _load_classifier(model_dir: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise UserError(f"--model {model_dir} is not an exported model directory (no config.json)")
+    return AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+
+
+def _read_texts(path: Path, text_column: str) -> list[str]:
+    """Texts from .txt (one per line), .csv/.tsv (a header with `text_column`) or .jsonl/.json."""
+    if not path.is_file():
+        raise UserError(f"--input {path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".csv", ".tsv"):
+            with path.open(newline="", encoding="utf-8") as f:
+                rows = list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
+            if rows and text_column not in rows[0]:
+                raise UserError(f"--input {path} has no column {text_column!r} (--text-column); columns: {list(rows[0])}")
+            texts = [r[text_column] for r in rows]
+        elif suffix in (".jsonl", ".json"):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            records = [json.loads(x) for x in lines if x.strip()] if suffix == ".jsonl" else json.loads(path.read_text(encoding="utf-8"))
+            texts = [r[text_column] if isinstance(r, dict) else str(r) for r in records]
+        else:
+            texts = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError) as exc:
+        raise UserError(f"cannot read --input {path}: {type(exc).__name__}: {exc}") from None
+    if not texts:
+        raise UserError(f"--input {path} has no texts")
+    return texts
+
+
+def predict_texts(tokenizer: Any, model: Any, texts: list[str], batch_size: int = 64, max_length: int = 512) -> list[dict[str, Any]]:
+    """Label and per-label probabilities for each text, in input order."""
+    import torch
+
+    names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding
+    out: list[dict[str, Any] | None] = [None] * len(texts)
+    with torch.no_grad():
+        for s in range(0, len(order), batch_size):
+            idx = order[s : s + batch_size]
+            enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            probs = model(**enc).logits.float().softmax(-1)
+            for row, i in enumerate(idx):
+                p = probs[row].tolist()
+                best = max(range(len(p)), key=p.__getitem__)
+                out[i] = {"text": texts[i], "label": names[best], "score": p[best], "probabilities": dict(zip(names, p))}
+    return [o for o in out if o is not None]
+
+
+def _cmd_predict(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="finetune predict", description="Label texts with an exported model.")
+    parser.add_argument("--model", required=True, help="exported model directory (<run>/final)")
+    parser.add_argument("--input", required=True, help=".txt (one text per line), .csv/.tsv with a header, or .jsonl")
+    parser.add_argument("--output", required=True, help=".jsonl or .csv")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args(argv)
+    out = Path(args.output)
+    if out.suffix.lower() not in (".jsonl", ".csv"):
+        raise UserError(f"--output {out} must end in .jsonl or .csv")
+    tokenizer, model = _load_classifier(args.model)
+    texts = _read_texts(Path(args.input), args.text_column)
+    preds = predict_texts(tokenizer, model, texts, args.batch_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix.lower() == ".jsonl":
+        out.write_text("".join(json.dumps(p) + "\n" for p in preds))
+    else:
+        names = list(preds[0]["probabilities"])
+        with out.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["text", "label", "score", *[f"prob_{n}" for n in names]])
+            for p in preds:
+                w.writerow([p["text"], p["label"], f"{p['score']:.6f}", *[f"{p['probabilities'][n]:.6f}" for n in names]])
+    print(f"wrote {len(preds)} predictions to {out}", file=sys.stderr)
+    return 0
+
+
+def _cmd_evaluate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="finetune evaluate", description="Evaluate an exported model on a config's validation/test data.")
+    parser.add_argument("--model", required=True, help="exported model directory (<run>/final)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    from finetune.config import load_config
+    from finetune.data import load_raw_splits
+    from finetune.metrics import classification_metrics
+
+    cfg = load_config(args.config, args.overrides)
+    tokenizer, model = _load_classifier(args.model)
+    raw = load_raw_splits(cfg)
+    names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    if set(names) != set(raw.label_names):
+        raise UserError(f"the model's labels {names} differ from the data's {raw.label_names}")
+    result: dict[str, Any] = {}
+    for split, ds in (("validation", raw.validation), ("test", raw.test)):
+        if ds is None:
+            continue
+        preds = predict_texts(tokenizer, model, ds["text"], max_length=cfg.data.max_length)
+        y_pred = [names.index(p["label"]) for p in preds]
+        y_true = [names.index(raw.raw_to_name[v]) for v in ds["label"]]
+        result[split] = classification_metrics(y_true, y_pred, names)
+    if not result:
+        raise UserError(f"{args.config} has no validation or test data to evaluate on")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "predict": _cmd_predict}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`finetune <command> ...`; user errors print one line and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: finetune {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
