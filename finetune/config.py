@@ -172,7 +172,8 @@ class TrainConfig(_Section):
     warmup_ratio: float = Field(0.06, ge=0.0, lt=1.0)
     warmup_steps: int | None = Field(None, ge=0)
     lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
-    optimizer: Literal["adamw", "adamw8bit", "adafactor"] = "adamw"
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)  # sgd only
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     adam_epsilon: PositiveFloat = 1e-8

@@ -101,13 +101,21 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW with no weight decay on biases and norm weights (every parameter with ndim < 2)."""
+    """AdamW (or SGD) with no weight decay on biases and norm weights (every parameter with ndim < 2).
+
+    Plain SGD makes the update proportional to the gradient, which is what tests of exact
+    accumulation compare; AdamW's update is nearly invariant to the gradient's scale.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
+    if t.optimizer != "adamw":
+        raise UserError(f"train.optimizer={t.optimizer} is not available yet")
     return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
 
 
