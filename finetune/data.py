@@ -365,8 +365,9 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
     samples in the whole window (the tail window of an epoch is short). The sampler knows the
     epoch's batches in advance, so it stamps that count on every item; the collator turns it
     into `batch["window_samples"]`. Batches are global (micro-batch x processes, split by
-    Accelerate with `split_batches=True`); a short global batch is padded with weight-0 copies
-    so every process gets the same number of rows and no sample counts twice.
+    Accelerate with `split_batches=True`); with several processes (`pad_to_multiple` = P > 1) a
+    short global batch is filled to the full global size with weight-0 copies, so every process
+    gets the same number of rows and no sample counts twice.
     """
 
     def __init__(
@@ -416,8 +417,13 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
             n = sum(len(b) for b in window)
             for b in window:
                 items = [(i, n, 1.0) for i in b]
-                while len(items) % self.pad_to_multiple:
-                    items.append((b[0], n, 0.0))
+                if self.pad_to_multiple > 1 and len(items) < self.batch_size:
+                    # Several processes: Accelerate's BatchSamplerShard (split_batches=True) refills a
+                    # short global batch with samples from the epoch's start (weight 1: counted twice)
+                    # unless the batch is full. Fill it with weight-0 copies of its shortest sample
+                    # instead: every rank gets batch_size / P rows and nothing counts twice.
+                    pad = min(b, key=lambda i: self.lengths[i])
+                    items += [(pad, n, 0.0)] * (self.batch_size - len(items))
                 yield items
 
     def __len__(self) -> int:

@@ -180,19 +180,20 @@ def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
 def evaluate(model: torch.nn.Module, loader: Any, accelerator: Accelerator, label_names: list[str]) -> dict[str, Any]:
     """Metrics over a prepared loader; `gather_for_metrics` drops the duplicates of padded batches."""
     model.eval()
-    preds, refs = [], []
-    loss_sum = torch.zeros((), device=accelerator.device)
+    preds, refs, losses = [], [], []
     for batch in loader:
         labels = batch.pop("labels")
         logits = model(**batch).logits
-        loss_sum += fp32_cross_entropy(logits, labels).sum()
-        p, r = accelerator.gather_for_metrics((logits.argmax(-1), labels))
+        # the loss goes through gather_for_metrics too: the refilled tail of the last batch
+        # (even_batches) must not count twice
+        p, r, l = accelerator.gather_for_metrics((logits.argmax(-1), labels, fp32_cross_entropy(logits, labels)))
         preds.append(p.cpu())
         refs.append(r.cpu())
+        losses.append(l.cpu())
     model.train()
     y_pred, y_true = torch.cat(preds).tolist(), torch.cat(refs).tolist()
     metrics = classification_metrics(y_true, y_pred, label_names)
-    metrics["loss"] = float(accelerator.reduce(loss_sum, "sum")) / max(1, len(y_true))
+    metrics["loss"] = float(torch.cat(losses).sum()) / max(1, len(y_true))
     return metrics
 
 
@@ -214,8 +215,9 @@ def train(cfg: Config) -> dict[str, Any]:
     P, G = accelerator.num_processes, cfg.train.gradient_accumulation_steps
     micro = int(cfg.train.micro_batch_size)
     train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P)
-    eval_loader = build_eval_loader(data.validation, tokenizer, micro * 2) if data.validation is not None else None
-    test_loader = build_eval_loader(data.test, tokenizer, micro * 2) if data.test is not None else None
+    # eval batches are global too (split_batches=True): micro * 2 rows per process
+    eval_loader = build_eval_loader(data.validation, tokenizer, micro * 2 * P) if data.validation is not None else None
+    test_loader = build_eval_loader(data.test, tokenizer, micro * 2 * P) if data.test is not None else None
     windows_per_epoch = sampler.num_windows()
     total_steps, num_epochs = planned_steps(cfg, windows_per_epoch)
     optimizer = build_optimizer(cfg, model)
@@ -289,7 +291,7 @@ def train(cfg: Config) -> dict[str, Any]:
                 accelerator.backward(loss)
                 loss_sum += per_sample.detach().sum()
                 samples += weight.sum()
-                real_tokens += batch["attention_mask"].sum()
+                real_tokens += (batch["attention_mask"].sum(-1) * weight).sum()  # weight-0 fill rows are waste
                 total_tokens += batch["attention_mask"].numel()
                 if accelerator.sync_gradients:
                     if cfg.train.max_grad_norm is not None:
