@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import datasets
+import huggingface_hub
 import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler
 
@@ -29,6 +30,7 @@ from finetune.errors import UserError
 
 logger = logging.getLogger("finetune")
 datasets.logging.set_verbosity_error()
+huggingface_hub.utils.logging.set_verbosity_error()  # offline: no retry warnings, one UserError line
 datasets.disable_progress_bars()  # loading is quick; the training bar is the one to watch
 
 _EXT_FORMAT = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
@@ -227,7 +229,7 @@ def _hub_split(cfg: Config, split: str | None) -> datasets.Dataset | None:
         if any(s in text for s in ("offline", "Offline", "ConnectionError", "connect", "resolve", "Couldn't reach", "HF_HUB_OFFLINE")):
             raise UserError(
                 f"cannot reach the HuggingFace hub for dataset {d.hub_dataset!r} (offline); "
-                "download it elsewhere or point data.train_file / data.validation_file at local files"
+                "to use local files set data.hub_dataset=null and data.train_file / data.validation_file (e.g. configs/sst2-minilm.yaml)"
             ) from None
         raise UserError(f"cannot load hub dataset {d.hub_dataset!r} split {split!r}: {str(exc).splitlines()[0]}") from None
 

