@@ -363,6 +363,19 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
         raise UserError(f"{source}: {len(problems)} problems: " + "; ".join(problems)) from None
 
 
+class _Yaml12SafeDumper(yaml.SafeDumper):
+    """Quotes a string that either YAML 1.1 or our 1.2 loader would read as something else (`1e5`, `no`)."""
+
+    def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and tag == "tag:yaml.org,2002:str":
+            resolvers = Yaml12Loader.yaml_implicit_resolvers.get(value[:1], []) + Yaml12Loader.yaml_implicit_resolvers.get(None, [])
+            for tag12, rx in resolvers:
+                if rx.match(value):
+                    return tag12  # differs from the node's str tag, so the emitter quotes the value
+        return tag
+
+
 def dump_config(cfg: Config) -> str:
-    """The resolved config as YAML (what `config.yaml` in a run directory holds)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML (what `config.yaml` in a run directory holds); reloads to the same Config."""
+    return yaml.dump(cfg.model_dump(mode="json"), Dumper=_Yaml12SafeDumper, sort_keys=False)

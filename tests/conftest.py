@@ -1,0 +1,85 @@
+"""Shared test setup: offline hub, the data directory, and tiny configs written into tmp_path.
+
+The only allowed skip in the suite is a missing data directory (`data_dir` fixture).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports huggingface_hub / transformers: no network, no tokenizer thread pools.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+TINY = CONFIGS / "tiny-debug.yaml"
+DATA_DIR = Path(os.environ.get("FINETUNE_DATA_DIR") or ROOT.parent / "shared" / "data").resolve()
+# configs find their data through ${FINETUNE_DATA_DIR}; make it absolute so the cwd does not matter
+os.environ["FINETUNE_DATA_DIR"] = str(DATA_DIR)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The real data directory (env FINETUNE_DATA_DIR, default <repo>/../shared/data); skip when absent."""
+    if not (DATA_DIR / "sst2" / "train.tsv").is_file():
+        pytest.skip(f"data directory not found: {DATA_DIR} (set FINETUNE_DATA_DIR to the folder holding sst2/, ag_news/, sms_spam/, trec/)")
+    return DATA_DIR
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    *parents, last = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+
+
+def write_tiny_config(directory: Path, updates: dict[str, Any] | None = None, name: str = "tiny.yaml") -> Path:
+    """configs/tiny-debug.yaml with `run.output_dir=<directory>/run` and dotted `updates`, written to directory/name.
+
+    A value of `...` (Ellipsis) deletes the key.
+    """
+    raw = yaml.safe_load(TINY.read_text())
+    raw["run"]["output_dir"] = str(directory / "run")
+    # small and quiet by default: evaluation and logging every few steps only cost time here
+    raw["train"]["eval_every_steps"] = None
+    for key, value in (updates or {}).items():
+        if value is ...:
+            *parents, last = key.split(".")
+            node = raw
+            for p in parents:
+                node = node[p]
+            node.pop(last, None)
+        else:
+            _set_dotted(raw, key, value)
+    path = directory / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path, data_dir: Path) -> Callable[..., Path]:
+    """Factory: `tiny_config({"train.micro_batch_size": 4})` -> path of a tiny config writing into tmp_path/run."""
+
+    def make(updates: dict[str, Any] | None = None, name: str = "tiny.yaml") -> Path:
+        return write_tiny_config(tmp_path, updates, name)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """One in-process tiny-debug training run shared by the tests that need an exported model; its run dir."""
+    from finetune.train import main
+
+    directory = tmp_path_factory.mktemp("tiny_run")
+    cfg = write_tiny_config(directory, {"data.max_train_samples": 128, "data.max_eval_samples": 64})
+    assert main(["--config", str(cfg)]) == 0
+    return directory / "run"
