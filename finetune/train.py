@@ -41,7 +41,20 @@ from finetune.data import (
 from finetune.errors import UserError
 from finetune.metrics import classification_metrics, plot_curves
 from finetune.model import build_model, build_tokenizer, count_parameters
-from finetune.precision import accelerate_mixed_precision, check_supported, fp32_cross_entropy
+from finetune.precision import (
+    Bf16AdamW,
+    PrecisionMonitor,
+    accelerate_mixed_precision,
+    apply_precision_policy,
+    audit_json,
+    check_audit,
+    check_supported,
+    compile_model,
+    dtype_audit,
+    format_audit,
+    fp32_cross_entropy,
+    release_cached_memory,
+)
 
 logger = logging.getLogger("finetune")
 
@@ -62,6 +75,14 @@ def build_accelerator(cfg: Config) -> Accelerator:
         project_dir=cfg.run.output_dir,
     )
     check_supported(cfg.precision.mode, accelerator.device)
+    if accelerator.gradient_accumulation_steps != cfg.train.gradient_accumulation_steps:
+        # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (set by `accelerate launch` from a DeepSpeed
+        # config) overrides the argument; the sampler's windows and the loss scale use the config's
+        raise UserError(
+            f"the Accelerate launch config sets gradient accumulation to {accelerator.gradient_accumulation_steps} but "
+            f"train.gradient_accumulation_steps is {cfg.train.gradient_accumulation_steps}; set it in one place "
+            "(remove gradient_accumulation_steps from the Accelerate/DeepSpeed config)"
+        )
     return accelerator
 
 
@@ -116,6 +137,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
         return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
     if t.optimizer != "adamw":
         raise UserError(f"train.optimizer={t.optimizer} is not available yet")
+    if cfg.precision.mode == "bf16-true":  # bf16 weights: an update that keeps small steps (precision.bf16_update)
+        return Bf16AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, update=cfg.precision.bf16_update)
     return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
 
 
@@ -212,6 +235,13 @@ def train(cfg: Config) -> dict[str, Any]:
     tokenizer = build_tokenizer(cfg)
     data = build_data(cfg, tokenizer)
     model = build_model(cfg, data.label_names, tokenizer)
+    # precision policy (bf16-true cast, fp32 norms), audited, then compile in place: this order
+    prec = cfg.precision
+    norm_names = apply_precision_policy(model, prec.mode, prec.fp32_norms, prec.norm_class_names)
+    audit = dtype_audit(model, prec.mode, prec.fp32_norms, norm_names=norm_names)
+    check_audit(audit, prec.allow_dtype_mismatch)
+    if cfg.model.compile:
+        compile_model(model, cfg.model.compile_backend, cfg.model.compile_mode, cfg.model.compile_dynamic)
     P, G = accelerator.num_processes, cfg.train.gradient_accumulation_steps
     micro = int(cfg.train.micro_batch_size)
     train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P)
@@ -232,9 +262,11 @@ def train(cfg: Config) -> dict[str, Any]:
         (run_dir / "labels.json").write_text(json.dumps(data.label_names))
         (run_dir / "provenance.json").write_text(json.dumps(provenance(cfg, data.files), indent=2))
         (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=2))
+        (run_dir / "dtype_audit.json").write_text(audit_json(audit))
     accelerator.wait_for_everyone()
     setup_logging(accelerator, run_dir)
     logger.info(format_data_report(data.report))
+    logger.info(format_audit(audit))
     trainable, total_params = count_parameters(model)
     logger.info(
         f"model: {trainable:,} trainable / {total_params:,} parameters; {len(data.label_names)} labels; "
@@ -247,6 +279,7 @@ def train(cfg: Config) -> dict[str, Any]:
     prepared = accelerator.prepare(model, optimizer, train_loader, scheduler, *[l for l in (eval_loader, test_loader) if l is not None])
     model, optimizer, train_loader, scheduler = prepared[:4]
     rest = list(prepared[4:])
+    monitor = PrecisionMonitor(prec.mode, cfg.train.nonfinite, accelerator.scaler, cfg.model.compile, P, run_dir)
     eval_loader = rest.pop(0) if eval_loader is not None else None
     test_loader = rest.pop(0) if test_loader is not None else None
 
@@ -263,6 +296,8 @@ def train(cfg: Config) -> dict[str, Any]:
     # running sums since the last log line, kept on device: no host sync inside the step
     loss_sum = torch.zeros((), device=accelerator.device)
     samples = torch.zeros((), device=accelerator.device)
+    win_loss = torch.zeros((), device=accelerator.device)  # this accumulation window's, added once it is applied
+    win_samples = torch.zeros((), device=accelerator.device)
     real_tokens = torch.zeros((), device=accelerator.device)
     total_tokens = torch.zeros((), device=accelerator.device)
     t_log = time.perf_counter()
@@ -271,7 +306,8 @@ def train(cfg: Config) -> dict[str, Any]:
         return {"step": step, "epoch": epoch, "batches_in_epoch": batches_done, "data_seed": cfg.run.seed, "eval": last_eval}
 
     def save(at_step: int) -> None:
-        ckpt.save_checkpoint(accelerator, run_dir, at_step, progress_state(), {"config.yaml": dump_config(cfg), "eval.json": json.dumps(last_eval, indent=2)})
+        ckpt.save_checkpoint(accelerator, run_dir, at_step, progress_state(), {"config.yaml": dump_config(cfg), "eval.json": json.dumps(last_eval, indent=2),
+                             "dtype_audit.json": audit_json(dtype_audit(accelerator.unwrap_model(model), prec.mode, prec.fp32_norms, norm_names=norm_names))})
 
     model.train()
     while step < total_steps and epoch < num_epochs:
@@ -284,21 +320,29 @@ def train(cfg: Config) -> dict[str, Any]:
             window_samples = batch.pop("window_samples")
             with accelerator.accumulate(model):
                 logits = model(**batch).logits
-                per_sample = fp32_cross_entropy(logits, labels) * weight
+                per_sample = monitor.inject(fp32_cross_entropy(logits, labels) * weight, step + 1)
                 # Exact accumulation: sum over the window's true sample count (short tail window and
                 # all processes included); x G x P cancels Accelerate's /G and DDP's mean.
                 loss = per_sample.sum() * (G * P) / window_samples
                 accelerator.backward(loss)
-                loss_sum += per_sample.detach().sum()
-                samples += weight.sum()
+                win_loss += per_sample.detach().sum()
+                win_samples += weight.sum()
                 real_tokens += (batch["attention_mask"].sum(-1) * weight).sum()  # weight-0 fill rows are waste
                 total_tokens += batch["attention_mask"].numel()
                 if accelerator.sync_gradients:
-                    if cfg.train.max_grad_norm is not None:
-                        accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-                    optimizer.step()
-                    scheduler.step()
+                    grad_norm = None
+                    if cfg.train.max_grad_norm is not None or monitor.checks_grads:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
+                    # the step's one host sync: NaN/inf loss or grad norm stops (NonFiniteError) or skips (train.nonfinite)
+                    if monitor.step_ok(grad_norm, win_loss, step + 1):
+                        optimizer.step()
+                        scheduler.step()
+                        monitor.after_step(accelerator.optimizer_step_was_skipped)  # fp16: the scaler skipped it
+                        if not accelerator.optimizer_step_was_skipped:
+                            loss_sum += win_loss
+                            samples += win_samples
                     optimizer.zero_grad(set_to_none=True)
+                    win_loss.zero_(), win_samples.zero_()
             if not accelerator.sync_gradients:
                 continue
 
@@ -315,6 +359,7 @@ def train(cfg: Config) -> dict[str, Any]:
                     "samples_per_s": sums[1] / max(elapsed, 1e-9),
                     "padding_fraction": 1.0 - sums[2] / max(sums[3], 1.0),
                 }
+                row.update(monitor.fields())  # compile_graphs, loss_scale, skipped steps
                 if accelerator.is_main_process:
                     with metrics_file.open("a") as f:
                         f.write(json.dumps(row) + "\n")
@@ -324,8 +369,10 @@ def train(cfg: Config) -> dict[str, Any]:
                 t_log = time.perf_counter()
             if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 and step < total_steps:
                 t_eval = time.perf_counter()
+                release_cached_memory(prec.empty_cache, accelerator.device)
                 last_eval = evaluate(model, eval_loader, accelerator, data.label_names)
                 eval_row = {"step": step, "eval_accuracy": last_eval["accuracy"], "eval_macro_f1": last_eval["macro_f1"], "eval_loss": last_eval["loss"]}
+                eval_row.update(monitor.fields())
                 if accelerator.is_main_process:
                     with metrics_file.open("a") as f:
                         f.write(json.dumps(eval_row) + "\n")
@@ -338,12 +385,14 @@ def train(cfg: Config) -> dict[str, Any]:
                 break
         else:
             epoch, batches_done = epoch + 1, 0
+            release_cached_memory(prec.empty_cache, accelerator.device)
             continue
         break
     bar.close()
 
     # Final evaluation, final checkpoint and export.
     final: dict[str, Any] = {}
+    release_cached_memory(prec.empty_cache, accelerator.device)
     if eval_loader is not None:
         final = evaluate(model, eval_loader, accelerator, data.label_names)
         last_eval = final
@@ -353,6 +402,7 @@ def train(cfg: Config) -> dict[str, Any]:
         row = {"step": step}
         if eval_loader is not None:
             row.update(eval_accuracy=final["accuracy"], eval_macro_f1=final["macro_f1"], eval_loss=final["loss"])
+            row.update(monitor.fields())
             with metrics_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
@@ -375,10 +425,12 @@ def train(cfg: Config) -> dict[str, Any]:
 def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
     """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline)."""
     accelerator.wait_for_everyone()
+    # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the full state dict is a collective
+    state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         ckpt.remove_tree(out)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(out, safe_serialization=True, state_dict=accelerator.get_state_dict(model))
+        unwrapped.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(out)
     accelerator.wait_for_everyone()
 

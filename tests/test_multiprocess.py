@@ -123,3 +123,16 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
 
     # only the main process wrote logs: one row per step, not one per rank
     assert len((two / "metrics.jsonl").read_text().splitlines()) == len((one / "metrics.jsonl").read_text().splitlines())
+
+
+@needs_data
+def test_launch_config_accumulation_must_match_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`accelerate launch` with a DeepSpeed config exports its accumulation count; a mismatch is refused."""
+    from finetune.train import main
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
+    rc = main(["--config", str(ROOT / "configs" / "tiny-debug.yaml"), f"run.output_dir={tmp_path / 'r'}", "train.gradient_accumulation_steps=2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "gradient accumulation to 3" in err and "train.gradient_accumulation_steps is 2" in err
+    assert not (tmp_path / "r").exists()
