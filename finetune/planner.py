@@ -1,0 +1,535 @@
+"""Memory planner: predict the peak memory of a training step before the first real one.
+
+`plan(cfg)` builds the configured model (precision mode, gradient checkpointing, frozen
+embeddings, LoRA) and optimizer exactly as training does, swaps every parameter and buffer for a
+`FakeTensor` (shape, dtype and device, no storage), and runs two optimizer windows on fake
+worst-case batches (`data.max_length` tokens) under torch's `MemTracker`. Only the second window
+is measured: the first one creates the optimizer state (on the default model the first step
+peaks at 1,206 MiB without AdamW state, the second at 1,379). Nothing is allocated, so a
+ladder of micro-batch sizes takes seconds on a CPU.
+
+The same `measure_window` runs on real tensors too (`finetune/planner.py` is what
+`scripts/bench_memory.py` and the tests use to compare prediction and measurement).
+
+Workarounds for what the primitives do not do out of the box (see docs/MEMORY.md):
+- MemTracker registers a gradient hook on every parameter and fails on frozen ones (LoRA, frozen
+  embeddings): `_Tracker` hooks only trainable parameters.
+- peft cannot build adapters under FakeTensorMode: the real model (adapters included) is built
+  first, then its tensors are replaced by fake ones in place (`to_fake`).
+- This CPU-only torch build disables `torch.autocast("cuda")`: CUDA mixed precision is planned
+  with CPU autocast semantics (an approximation, stated in the output).
+- bitsandbytes' 8-bit AdamW cannot run on fake tensors: a stand-in with the same state layout
+  (two uint8 moments plus one fp32 absmax per 256-element block; fp32 moments for tensors under
+  4,096 elements, bitsandbytes' `min_8bit_size`) is measured instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from finetune.config import Config
+from finetune.errors import UserError
+from finetune.precision import fp32_cross_entropy
+
+logger = logging.getLogger("finetune")
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# The categories reported (MemTracker's buffers go with parameters, and its "other" - the
+# input batch - with activations).
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+_CATEGORY_OF = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.BUFFER: "parameters",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.OPT: "optimizer_state",
+    _MemRefType.ACT: "activations",
+    _MemRefType.OTH: "activations",
+    _MemRefType.TEMP: "temporaries",
+}
+
+# Planning for CUDA adds what the tensor count does not see: the CUDA context (driver, cuBLAS and
+# kernel images: 300-500 MiB on recent GPUs, outside `max_memory_allocated`) and the caching
+# allocator's rounding and fragmentation (blocks rounded to 512 B / 2 MiB segments; reserved
+# exceeds allocated by roughly 5-15% in training). CPU plans get no margin.
+CUDA_CONTEXT_BYTES = 512 * MiB
+CUDA_ALLOCATOR_FRACTION = 0.10
+
+
+def margin_bytes(peak_bytes: int, device: str) -> int:
+    """Bytes added to a predicted peak for the CUDA context and allocator rounding (0 on CPU)."""
+    if device != "cuda":
+        return 0
+    return CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_FRACTION * peak_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring one window.
+
+
+class _Tracker(MemTracker):
+    """MemTracker that puts gradient hooks only on trainable parameters.
+
+    MemTracker calls `param.register_hook` on every parameter it meets, which raises on a
+    parameter that does not require grad (LoRA's frozen base, frozen embeddings).
+    """
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        mem = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if not param.requires_grad or self._param_to_grad_hook_handles.get(param, None) is not None:
+                    continue
+                def on_grad(grad: torch.Tensor) -> None:  # a tensor hook must return None
+                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(on_grad),
+                    param.register_post_accumulate_grad_hook(lambda p: on_grad(p.grad)),
+                )
+        return mem
+
+
+@dataclass
+class Measurement:
+    """Peak bytes of one optimizer window and its split by category (at the moment of the peak)."""
+
+    peak_bytes: int
+    categories: dict[str, int]
+
+    def as_mib(self) -> dict[str, float]:
+        """Peak and categories in MiB (for printing)."""
+        return {"peak": self.peak_bytes / MiB, **{k: v / MiB for k, v in self.categories.items()}}
+
+
+def autocast_context(mode: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The forward's autocast as Accelerate sets it up for `precision.mode` (CPU semantics)."""
+    if mode in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if mode == "bf16" else torch.float16
+        return lambda: torch.autocast("cpu", dtype=dtype)
+    return contextlib.nullcontext
+
+
+def train_micro_step(model: nn.Module, batch: dict[str, torch.Tensor], autocast: Callable[[], Any], scale: float) -> None:
+    """Forward (under autocast), fp32 loss from upcast logits, backward: the loop's micro-step."""
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with autocast():
+        logits = model(**inputs).logits
+    loss = fp32_cross_entropy(logits, labels).sum() * scale
+    loss.backward()
+
+
+def run_window(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[dict[str, torch.Tensor]],
+    autocast: Callable[[], Any],
+    max_grad_norm: float | None,
+    tracker: MemTracker | None = None,
+) -> None:
+    """One accumulation window: micro-steps, clip, optimizer step, zero_grad(set_to_none)."""
+    total = sum(int(b["labels"].shape[0]) for b in batches)
+    for batch in batches:
+        if tracker is not None:
+            tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
+        train_micro_step(model, batch, autocast, 1.0 / total)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_window(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    make_batch: Callable[[], dict[str, torch.Tensor]],
+    accumulation: int,
+    mode: str,
+    max_grad_norm: float | None,
+) -> Measurement:
+    """Peak memory of the SECOND optimizer window (the first creates the optimizer state).
+
+    A window of G >= 2 micro-steps peaks like one of 2: from the second micro-step on, the
+    gradients exist for the whole forward and backward. So at most 2 micro-steps are run.
+    Works on real and on fake tensors alike (make_batch creates the batch in the active mode).
+    """
+    micro_steps = min(accumulation, 2)
+    autocast = autocast_context(mode)
+    model.train()
+    run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm)
+    tracker = _Tracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm, tracker)
+    snap = tracker.get_tracker_snapshot("peak")
+    categories = dict.fromkeys(CATEGORIES, 0)
+    peak = 0
+    for dev_snap in snap.values():
+        for reftype, nbytes in dev_snap.items():
+            if reftype in _CATEGORY_OF:
+                categories[_CATEGORY_OF[reftype]] += int(nbytes)
+        peak += int(dev_snap.get("Total", 0))
+    return Measurement(peak, categories)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake tensors and stand-ins.
+
+
+def to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
+    """Replace every parameter and buffer by a fake tensor in place (shared tensors stay shared).
+
+    Building the real model first and converting it is how adapters (peft) and checkpointing
+    hooks survive: peft cannot create its layers under FakeTensorMode.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+            module._parameters[name] = memo[id(p)]  # type: ignore[assignment]
+        for name, b in list(module._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = fake_mode.from_tensor(b)
+            module._buffers[name] = memo[id(b)]
+    return model
+
+
+class Adam8bitStandIn(torch.optim.Optimizer):
+    """Memory stand-in for bitsandbytes AdamW8bit (for planning only: it updates nothing).
+
+    Its state has bitsandbytes' layout: tensors of >= 4,096 elements keep both moments in uint8
+    with one fp32 absmax per 256-element block each; smaller ones keep fp32 moments. The step
+    allocates an fp32 temporary of one tensor's size (bitsandbytes dequantizes blockwise in
+    its kernel; this is an upper bound on its workspace).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: D102
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    if p.numel() >= 4096:
+                        blocks = math.ceil(p.numel() / 256)
+                        st["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        st["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        st["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                        st["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        st["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        st["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                tmp = p.grad.float()
+                del tmp
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclass
+class PlanRow:
+    """One micro-batch size of the ladder."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    peak_bytes: int
+    peak_bytes_with_margin: int
+    fits: bool | None
+    categories: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Flat JSON row: the keys of `finetune plan --json`."""
+        row: dict[str, Any] = {
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "peak_bytes": self.peak_bytes,
+            "peak_bytes_with_margin": self.peak_bytes_with_margin,
+            "fits": self.fits,
+        }
+        row.update({f"{k}_bytes": v for k, v in self.categories.items()})
+        return row
+
+
+@dataclass
+class Plan:
+    """The ladder for one config and device, plus what it assumed."""
+
+    device: str
+    effective_batch: int
+    num_processes: int
+    seq_len: int
+    budget_bytes: int | None
+    rows: list[PlanRow]
+    notes: list[str]
+
+    def best(self) -> PlanRow | None:
+        """The largest micro-batch that fits the budget (None when nothing fits)."""
+        fitting = [r for r in self.rows if r.fits]
+        return max(fitting, key=lambda r: r.micro_batch_size) if fitting else None
+
+
+def effective_batch(cfg: Config, num_processes: int = 1) -> int:
+    """Effective batch: `train.batch_size`, else micro-batch x accumulation x processes."""
+    t = cfg.train
+    if t.batch_size is not None:
+        return t.batch_size
+    assert t.micro_batch_size != "auto"  # the config validator requires batch_size with auto
+    return int(t.micro_batch_size) * t.gradient_accumulation_steps * num_processes
+
+
+def resolve_batch(cfg: Config, num_processes: int) -> tuple[int | None, int | None, int]:
+    """(micro-batch, accumulation, effective batch) per process; (None, None, E) when auto.
+
+    `train.batch_size` alone replaces the two explicit keys (micro = E / processes, no
+    accumulation); with an explicit micro-batch the accumulation is derived; with both explicit
+    the three must agree. Every mismatch is one error naming all three keys.
+    """
+    t = cfg.train
+    given = t.model_fields_set
+    P = num_processes
+    if t.batch_size is None:
+        assert t.micro_batch_size != "auto"
+        micro, G = int(t.micro_batch_size), t.gradient_accumulation_steps
+        return micro, G, micro * G * P
+    E = t.batch_size
+    explicit_micro = "micro_batch_size" in given
+    explicit_G = "gradient_accumulation_steps" in given
+
+    def disagree(reason: str) -> UserError:
+        return UserError(
+            f"train.batch_size={E} must equal train.micro_batch_size ({t.micro_batch_size}) x "
+            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if explicit_G else 'derived'}) x processes ({P}): {reason}"
+        )
+
+    if E % P:
+        raise disagree(f"{E} is not divisible by {P} processes")
+    if t.micro_batch_size == "auto":
+        return None, None, E
+    if not explicit_micro:
+        if explicit_G:
+            if (E // P) % t.gradient_accumulation_steps:
+                raise disagree(f"{E // P} samples per process do not split into {t.gradient_accumulation_steps} micro-batches")
+            return E // P // t.gradient_accumulation_steps, t.gradient_accumulation_steps, E
+        return E // P, 1, E
+    micro = int(t.micro_batch_size)
+    if (E // P) % micro:
+        raise disagree(f"{E // P} samples per process is not a multiple of the micro-batch")
+    G = E // P // micro
+    if explicit_G and G != t.gradient_accumulation_steps:
+        raise disagree(f"{micro} x {t.gradient_accumulation_steps} x {P} = {micro * t.gradient_accumulation_steps * P}")
+    return micro, G, E
+
+
+def micro_batch_ladder(per_process: int) -> list[int]:
+    """Micro-batch sizes to try: powers of two dividing the per-process batch, and the batch itself."""
+    sizes = [m for m in (1 << k for k in range(per_process.bit_length())) if per_process % m == 0]
+    if per_process not in sizes:
+        sizes.append(per_process)
+    return sizes
+
+
+def label_names_cheaply(cfg: Config) -> list[str]:
+    """Label names without tokenizing: from data.labels / data.label_map, else by reading the data."""
+    if cfg.data.labels is not None:
+        return list(cfg.data.labels)
+    if cfg.data.label_map is not None:
+        return list(dict.fromkeys(cfg.data.label_map.values()))
+    from finetune.data import load_raw_splits
+
+    return load_raw_splits(cfg).label_names
+
+
+def default_device() -> str:
+    """The machine's accelerator: cuda when available, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_plannable(cfg: Config, device: str) -> list[str]:
+    """Refuse what cannot run on `device`; return notes on approximations."""
+    notes: list[str] = []
+    mode = cfg.precision.mode
+    if mode == "fp16" and device == "cpu":
+        raise UserError("precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); plan with --device cuda, or use bf16/fp32")
+    if cfg.train.optimizer == "adamw8bit" and device != "cuda":
+        raise UserError("train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, or use adamw/adafactor")
+    if device == "cuda":
+        notes.append(
+            f"CUDA plan on a CPU: tensors are counted with CPU kernels{' and CPU autocast semantics (CUDA autocast also keeps softmax/layer_norm in fp32)' if mode in ('bf16', 'fp16') else ''}; "
+            f"margin = {CUDA_CONTEXT_BYTES // MiB} MiB CUDA context + {int(CUDA_ALLOCATOR_FRACTION * 100)}% allocator rounding"
+        )
+        if cfg.train.optimizer == "adamw8bit":
+            notes.append("adamw8bit planned with a stand-in of bitsandbytes' state layout (uint8 moments + fp32 block absmax)")
+    return notes
+
+
+def build_for_planning(cfg: Config, label_names: list[str], tokenizer: Any, fake_mode: FakeTensorMode | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer as training builds them (adamw8bit -> its memory stand-in).
+
+    With `fake_mode`, the real model (adapters included) is converted to fake tensors before
+    the optimizer is built, so the optimizer holds the fake parameters.
+    """
+    from finetune.model import build_model
+    from finetune.train import build_optimizer
+
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg, label_names, tokenizer)
+    model = apply_precision_for_planning(cfg, model)
+    if fake_mode is not None:
+        to_fake(model, fake_mode)
+    if cfg.train.optimizer == "adamw8bit":
+        optimizer: torch.optim.Optimizer = Adam8bitStandIn([p for p in model.parameters() if p.requires_grad], lr=cfg.train.learning_rate)
+    else:
+        optimizer = build_optimizer(cfg, model)
+    return model, optimizer
+
+
+def apply_precision_for_planning(cfg: Config, model: nn.Module) -> nn.Module:
+    """bf16-true: the weight cast training applies (precision.py's, when it provides one)."""
+    if cfg.precision.mode != "bf16-true":
+        return model
+    from finetune import precision
+
+    cast = getattr(precision, "cast_model", None) or getattr(precision, "prepare_model", None)
+    if cast is not None:
+        try:
+            return cast(model, cfg) or model
+        except TypeError:
+            pass
+    model.to(torch.bfloat16)
+    # keep norms in fp32 (what fp32_norms does for bf16-true)
+    for mod in model.modules():
+        if isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) or "Norm" in type(mod).__name__:
+            mod.float()
+    return model
+
+
+def fake_batch_factory(tokenizer: Any, micro: int, seq_len: int, num_labels: int) -> Callable[[], dict[str, torch.Tensor]]:
+    """Worst-case batches (every row `seq_len` tokens) made in whatever tensor mode is active."""
+    names = getattr(tokenizer, "model_input_names", ["input_ids", "attention_mask"])
+
+    def make() -> dict[str, torch.Tensor]:
+        batch = {"input_ids": torch.ones(micro, seq_len, dtype=torch.long)}
+        if "attention_mask" in names:
+            batch["attention_mask"] = torch.ones(micro, seq_len, dtype=torch.long)
+        if "token_type_ids" in names:
+            batch["token_type_ids"] = torch.zeros(micro, seq_len, dtype=torch.long)
+        batch["labels"] = torch.zeros(micro, dtype=torch.long) % num_labels
+        return batch
+
+    return make
+
+
+def predict_peak(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], seq_len: int | None = None) -> Measurement:
+    """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated)."""
+    seq_len = seq_len or cfg.data.max_length
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    model, optimizer = build_for_planning(cfg, label_names, tokenizer, fake_mode)
+    make = fake_batch_factory(tokenizer, micro, seq_len, len(label_names))
+    with fake_mode:
+        return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
+
+
+def plan(
+    cfg: Config,
+    device: str | None = None,
+    budget_gb: float | None = None,
+    micro_sizes: list[int] | None = None,
+    num_processes: int = 1,
+    tokenizer: Any = None,
+    label_names: list[str] | None = None,
+) -> Plan:
+    """Predict the peak of a training window for each micro-batch size of the ladder."""
+    from finetune.model import build_tokenizer
+
+    device = device or default_device()
+    notes = check_plannable(cfg, device)
+    budget_gb = budget_gb if budget_gb is not None else cfg.memory.budget_gb
+    budget = int(budget_gb * GiB) if budget_gb is not None else None
+    E = effective_batch(cfg, num_processes)
+    per_process = E // num_processes
+    sizes = micro_sizes or micro_batch_ladder(per_process)
+    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
+    label_names = label_names or label_names_cheaply(cfg)
+    rows = []
+    for micro in sizes:
+        G = max(1, per_process // micro)
+        m = predict_peak(cfg, micro, G, tokenizer, label_names)
+        with_margin = m.peak_bytes + margin_bytes(m.peak_bytes, device)
+        rows.append(PlanRow(micro, G, m.peak_bytes, with_margin, None if budget is None else with_margin <= budget, m.categories))
+    return Plan(device, E, num_processes, cfg.data.max_length, budget, rows, notes)
+
+
+def format_plan(p: Plan, cfg: Config) -> str:
+    """The plan as a table (MiB) with its assumptions."""
+    budget = f"{p.budget_bytes / GiB:g} GiB" if p.budget_bytes is not None else "none (set --budget-gb or memory.budget_gb)"
+    lines = [
+        f"memory plan: {cfg.model.name_or_path or 'architecture from config'}, precision {cfg.precision.mode}, "
+        f"optimizer {cfg.train.optimizer}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}, "
+        f"LoRA {'r=' + str(cfg.model.lora.r) if cfg.model.lora else 'off'}, frozen embeddings {'on' if cfg.model.freeze_embeddings else 'off'}",
+        f"device {p.device}; effective batch {p.effective_batch} ({p.num_processes} process(es)); worst case {p.seq_len} tokens per row; budget {budget}",
+    ]
+    head = ["micro", "accum", "peak MiB", "+margin", "params", "grads", "optim", "activ", "temps", "fits"]
+    table = [head]
+    for r in p.rows:
+        c = r.categories
+        table.append([
+            str(r.micro_batch_size), str(r.gradient_accumulation_steps), f"{r.peak_bytes / MiB:,.0f}", f"{r.peak_bytes_with_margin / MiB:,.0f}",
+            *(f"{c[k] / MiB:,.0f}" for k in CATEGORIES), {None: "-", True: "yes", False: "no"}[r.fits],
+        ])
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+    lines += [f"note: {n}" for n in p.notes]
+    best = p.best()
+    if p.budget_bytes is not None:
+        lines.append(
+            f"choice: micro-batch {best.micro_batch_size} x accumulation {best.gradient_accumulation_steps}" if best
+            else "nothing fits: try precision.mode=bf16, model.gradient_checkpointing=true, model.lora, or a shorter data.max_length"
+        )
+    return "\n".join(lines)
+
+
+def plan_json(p: Plan) -> str:
+    """`--json`: the list of rows."""
+    return json.dumps([r.to_json() for r in p.rows], indent=2)
+
+
+def real_batch_factory(tokenizer: Any, texts: list[str], labels: list[int], seq_len: int) -> Callable[[], dict[str, torch.Tensor]]:
+    """Real batches of `texts` padded to `seq_len` tokens (the planner's worst case, on real data)."""
+
+    def make() -> dict[str, torch.Tensor]:
+        enc = tokenizer(texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
+        batch = dict(enc)
+        batch["labels"] = torch.tensor(labels, dtype=torch.long)
+        return batch
+
+    return make
+
+
+def measure_real(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], texts: list[str], labels: list[int], seq_len: int | None = None) -> Measurement:
+    """MemTracker measurement of a real second window on CPU (real tensors, real data)."""
+    seq_len = seq_len or cfg.data.max_length
+    model, optimizer = build_for_planning(cfg, label_names, tokenizer)
+    make = real_batch_factory(tokenizer, texts[:micro], labels[:micro], seq_len)
+    return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
