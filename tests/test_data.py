@@ -1,0 +1,189 @@
+"""Data: the four real datasets through their configs' data sections (row counts and label sets of
+their SOURCE.md), the label set under data.max_train_samples, the seeded stratified split, the
+windowed batch sampler and the collator."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from finetune.config import Config, load_config
+from finetune.data import Collator, WindowedBatchSampler, build_data_report, load_raw_splits, tokenize_split
+
+from conftest import CONFIGS
+
+
+def _splits(name: str, overrides: list[str] | None = None):
+    cfg = load_config(CONFIGS / name, overrides or [])
+    return cfg, load_raw_splits(cfg)
+
+
+def _named_counts(raw, ds) -> dict[str, int]:
+    return dict(Counter(raw.raw_to_name[v] for v in ds["label"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# The four datasets (numbers from ../shared/data/*/SOURCE.md).
+
+
+def test_sst2_rows_and_labels(data_dir: Path) -> None:
+    _, raw = _splits("sst2-minilm.yaml", ["data.max_train_samples=null"])
+    assert raw.label_names == ["negative", "positive"]
+    assert len(raw.train) == 67_349 and len(raw.validation) == 872
+    assert _named_counts(raw, raw.train) == {"negative": 29_780, "positive": 37_569}
+    assert _named_counts(raw, raw.validation) == {"negative": 428, "positive": 444}
+    # PTB-tokenized text read whole (no quote processing, no tabs left in a text)
+    texts = list(raw.validation["text"])
+    assert any(" 's " in t for t in texts) and not any("\t" in t for t in texts)
+
+
+def test_sst2_senteval_test_file_headerless(data_dir: Path) -> None:
+    # the SentEval test copy has no header: read it with header=false and column names
+    _, raw = _splits(
+        "sst2-minilm.yaml",
+        ["data.train_file=sst2/test_senteval.tsv", "data.validation_file=null", "data.header=false", "data.column_names=[sentence, label]", "data.max_train_samples=null"],
+    )
+    assert len(raw.train) == 1_821
+    assert _named_counts(raw, raw.train) == {"negative": 912, "positive": 909}
+
+
+def test_agnews_rows_and_labels(data_dir: Path) -> None:
+    _, raw = _splits("agnews-minilm.yaml")
+    assert raw.label_names == ["World", "Sports", "Business", "Sci/Tech"]  # 1..4 in classes.txt order
+    assert len(raw.train) + len(raw.validation) == 8_000
+    assert len(raw.validation) == 800  # seeded stratified 10%
+    assert _named_counts(raw, raw.validation) == {n: 200 for n in raw.label_names}
+    assert _named_counts(raw, raw.train) == {n: 1_800 for n in raw.label_names}
+    assert len(raw.test) == 7_600
+    assert _named_counts(raw, raw.test) == {n: 1_900 for n in raw.label_names}
+    # SOURCE.md: 16 texts occur in both files (kept: duplicates are reported, not removed)
+    assert len((set(raw.train["text"]) | set(raw.validation["text"])) & set(raw.test["text"])) == 16
+    # RFC-4180 quoting: commas inside quoted texts stay in the text
+    assert any("," in t for t in list(raw.test["text"])[:100])
+
+
+def test_sms_spam_rows_and_labels(data_dir: Path) -> None:
+    _, raw = _splits("sms-spam-minilm.yaml")
+    assert raw.label_names == ["ham", "spam"]
+    assert raw.test is None
+    total = Counter(raw.train["label"]) + Counter(raw.validation["label"])
+    assert sum(total.values()) == 5_574
+    assert total == {"ham": 4_827, "spam": 747}
+    # 80/20 stratified: 20% of each class in validation
+    assert Counter(raw.validation["label"]) == {"ham": round(0.2 * 4_827), "spam": round(0.2 * 747)}
+
+
+def test_trec_rows_and_labels(data_dir: Path) -> None:
+    _, raw = _splits("trec-minilm.yaml")
+    six = ["ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM"]
+    assert raw.label_names == six
+    total = Counter(raw.train["label"]) + Counter(raw.validation["label"])
+    assert sum(total.values()) == 5_452
+    assert total == {"ABBR": 86, "DESC": 1_162, "ENTY": 1_250, "HUM": 1_223, "LOC": 835, "NUM": 896}
+    assert len(raw.test) == 500
+    assert Counter(raw.test["label"]) == {"ABBR": 9, "DESC": 138, "ENTY": 94, "HUM": 65, "LOC": 81, "NUM": 113}
+    # the regex keeps the question and drops the fine label; the latin-1 byte decodes
+    assert all(not t.startswith(tuple(six)) for t in raw.test["text"])
+    assert any("sister\xf0city" in t for t in list(raw.train["text"]) + list(raw.validation["text"]))
+
+
+def test_trec_utf8_fails_with_line_number(data_dir: Path) -> None:
+    from finetune.errors import UserError
+
+    with pytest.raises(UserError, match=r"train_5500\.label line \d+: byte 0xf0 is not valid utf-8; set data\.encoding"):
+        _splits("trec-minilm.yaml", ["data.encoding=utf-8"])
+
+
+def test_max_train_samples_keeps_every_label(data_dir: Path) -> None:
+    cfg, raw = _splits("trec-minilm.yaml", ["data.validation_split=null", "data.max_train_samples=3"])
+    assert len(raw.train) == 3
+    assert raw.label_names == ["ABBR", "DESC", "ENTY", "HUM", "LOC", "NUM"]  # from the whole file
+    assert len(set(raw.train["label"])) < 6  # the slice itself does not have them all
+    # the first N rows of the file, in file order
+    lines = cfg.resolved_path(cfg.data.train_file).read_text(encoding="latin-1").splitlines()[:3]
+    assert list(raw.train["text"]) == [line.split(" ", 1)[1] for line in lines]
+    # the test split is still checked against all six labels (it contains ABBR)
+    assert len(raw.test) == 500
+
+
+def test_stratified_split_is_seeded(data_dir: Path) -> None:
+    _, a = _splits("agnews-minilm.yaml")
+    _, b = _splits("agnews-minilm.yaml")
+    _, c = _splits("agnews-minilm.yaml", ["run.seed=7"])
+    assert list(a.validation["text"]) == list(b.validation["text"])
+    assert list(a.validation["text"]) != list(c.validation["text"])
+    assert Counter(c.validation["label"]) == Counter(a.validation["label"])  # still stratified
+    # train and validation partition the file
+    assert len(a.train) + len(a.validation) == len(c.train) + len(c.validation) == 8_000
+
+
+def test_data_report_counts(data_dir: Path) -> None:
+    from finetune.model import build_tokenizer
+
+    cfg, raw = _splits("trec-minilm.yaml", ["data.max_length=8", "data.max_train_samples=300"])
+    tok = build_tokenizer(cfg)
+    tokenized = {n: tokenize_split(ds, tok, 8, None) for n, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test))}
+    assert max(tokenized["test"]["length"]) == 8  # truncated at data.max_length
+    report = build_data_report(raw, tokenized)
+    assert report["splits"]["test"]["rows"] == 500
+    assert report["splits"]["test"]["class_counts"]["ABBR"] == 9
+    assert 0.0 < report["splits"]["train"]["truncated_fraction"] < 1.0
+    assert report["splits"]["train"]["duplicates_within"] == len(raw.train) - len(set(raw.train["text"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Batching (no data directory needed).
+
+
+def _windows(sampler: WindowedBatchSampler) -> list[list[tuple[int, int, float]]]:
+    return list(iter(sampler))
+
+
+def test_sampler_stamps_window_sizes_on_ragged_tail() -> None:
+    s = WindowedBatchSampler([5] * 10, batch_size=4, accumulation=2, seed=0, group_by_length=False)
+    batches = _windows(s)
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert [{it[1] for it in b} for b in batches] == [{8}, {8}, {2}]
+    assert sorted(it[0] for b in batches for it in b) == list(range(10))
+    assert s.num_windows() == 2 and len(s) == 3
+
+
+def test_sampler_is_seeded_per_epoch() -> None:
+    lengths = [(i * 13) % 31 + 1 for i in range(200)]
+    a = WindowedBatchSampler(lengths, batch_size=8, accumulation=1, seed=3)
+    b = WindowedBatchSampler(lengths, batch_size=8, accumulation=1, seed=3)
+    assert a.batches() == b.batches()
+    e0 = a.batches()
+    a.set_epoch(1)
+    assert a.batches() != e0
+    b.set_epoch(1)
+    assert a.batches() == b.batches()
+    assert WindowedBatchSampler(lengths, batch_size=8, accumulation=1, seed=4).batches() != e0
+
+
+def test_length_grouping_reduces_padding() -> None:
+    lengths = [(i * 37) % 120 + 3 for i in range(400)]
+
+    def padding(group: bool) -> int:
+        s = WindowedBatchSampler(lengths, batch_size=16, accumulation=1, seed=0, group_by_length=group)
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in s.batches())
+
+    assert padding(True) < padding(False) / 3
+    s = WindowedBatchSampler(lengths[:390], batch_size=16, accumulation=1, seed=0)
+    sizes = [len(b) for b in s.batches()]
+    assert sizes[:-1] == [16] * (len(sizes) - 1) and sizes[-1] == 390 % 16  # only the last batch is short
+
+
+def test_collator_pads_and_carries_window(data_dir: Path) -> None:
+    from finetune.model import build_tokenizer
+
+    cfg = load_config(CONFIGS / "tiny-debug.yaml")
+    tok = build_tokenizer(cfg)
+    feats = [dict(tok(t), labels=i, window_samples=3, sample_weight=1.0) for i, t in enumerate(["a b c d e", "short"])]
+    batch = Collator(tok)(feats)
+    assert batch["input_ids"].shape[0] == 2 and batch["input_ids"].shape[1] == len(feats[0]["input_ids"])
+    assert batch["attention_mask"][1].sum() == len(feats[1]["input_ids"])
+    assert batch["labels"].tolist() == [0, 1]
+    assert float(batch["window_samples"]) == 3.0
