@@ -1,0 +1,225 @@
+"""The training loop: exact gradient accumulation on ragged windows, the step budget, and one real
+`accelerate launch` run end to end whose exported model loads in a `transformers.pipeline`."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import finetune.train as train_mod
+from finetune.config import load_config, parse_yaml12, validate_config
+from finetune.data import Collator
+
+from conftest import ROOT, TINY
+
+# Plain SGD, lr 1, no decay/clipping/warmup, fixed order: the optimizer sees exactly the accumulated gradient.
+EXACT = {
+    "data.max_train_samples": 10,
+    "data.max_eval_samples": 8,
+    "data.group_by_length": False,
+    "train.optimizer": "sgd",
+    "train.learning_rate": 1.0,
+    "train.weight_decay": 0.0,
+    "train.max_grad_norm": None,
+    "train.lr_scheduler": "constant",
+    "train.warmup_steps": 0,
+    "train.epochs": 1,
+    "train.log_every_steps": 1,
+}
+
+
+class _Spy:
+    """Wraps train.py's build_* functions to record the data order and, before each optimizer step,
+    the parameters and the gradient the optimizer is about to apply."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
+        self.ref_model: torch.nn.Module | None = None
+        self.loader_args: tuple[Any, ...] = ()
+        self.sampler: Any = None
+        real_loader, real_opt = train_mod.build_train_loader, train_mod.build_optimizer
+
+        def build_train_loader(ds: Any, tokenizer: Any, *args: Any) -> Any:
+            loader, sampler = real_loader(ds, tokenizer, *args)
+            self.loader_args, self.sampler = (ds, tokenizer), sampler
+            return loader, sampler
+
+        def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+            opt = real_opt(cfg, model)
+            self.ref_model = copy.deepcopy(model)
+            names = {id(p): n for n, p in model.named_parameters()}
+
+            def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+                params = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+                self.steps.append(
+                    (
+                        {n: p.detach().clone() for n, p in params.items()},
+                        {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None},
+                    )
+                )
+
+            opt.register_step_pre_hook(pre_step)
+            return opt
+
+        monkeypatch.setattr(train_mod, "build_train_loader", build_train_loader)
+        monkeypatch.setattr(train_mod, "build_optimizer", build_optimizer)
+
+
+def _window_gradients(spy: _Spy, windows: list[list[list[int]]], params: list[dict[str, torch.Tensor]], loss_of: Callable) -> list[dict[str, torch.Tensor]]:
+    """Gradients an independent plain-torch computation gets at the given parameters for each window."""
+    ds, tokenizer = spy.loader_args
+    collate = Collator(tokenizer)
+    model = spy.ref_model
+    assert model is not None
+    model.train()
+    out = []
+    for window, p0 in zip(windows, params):
+        model.load_state_dict(p0, strict=False)
+        model.zero_grad(set_to_none=True)
+        micro_losses = []
+        for micro in window:
+            batch = collate([dict(ds[i]) for i in micro])
+            labels = batch.pop("labels")
+            per_sample = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")
+            micro_losses.append(per_sample)
+        loss_of(micro_losses).backward()
+        out.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    return out
+
+
+def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in a]).norm()
+    return float(diff / torch.cat([b[k].flatten() for k in b]).norm())
+
+
+def test_accumulated_gradient_equals_full_batch_gradient_on_ragged_windows(tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # 10 samples, micro-batch 4, accumulation 2: micro-batches [4, 4, 2] -> windows [4, 4] and [2]
+    spy = _Spy(monkeypatch)
+    cfg = tiny_config({**EXACT, "train.micro_batch_size": 4, "train.gradient_accumulation_steps": 2})
+    assert train_mod.main(["--config", str(cfg)]) == 0
+
+    spy.sampler.set_epoch(0)
+    batches = spy.sampler.batches()
+    assert [len(b) for b in batches] == [4, 4, 2]
+    windows = [batches[0:2], batches[2:3]]
+    assert len(spy.steps) == 2  # one optimizer step per window, the short tail included
+    params = [p for p, _ in spy.steps]
+    loop_grads = [g for _, g in spy.steps]
+
+    # full-batch gradient of each window: the mean loss over all of the window's samples
+    full = _window_gradients(spy, windows, params, lambda ls: torch.cat(ls).mean())
+    errors = [_rel_err(g, f) for g, f in zip(loop_grads, full)]
+    assert max(errors) <= 1e-5, errors
+
+    # the test can tell: the usual per-micro-batch mean divided by the accumulation count (what
+    # `loss.mean()` + Accelerate's division gives) is right for the [4, 4] window and wrong for [2]
+    naive = _window_gradients(spy, windows, params, lambda ls: sum(l.mean() for l in ls) / 2)
+    assert _rel_err(naive[0], full[0]) <= 1e-5
+    assert _rel_err(naive[1], full[1]) > 0.4
+
+    # and SGD with lr 1 applied exactly that gradient (the second step starts from p - g)
+    step1 = {n: params[0][n] - loop_grads[0][n] for n in loop_grads[0]}
+    assert _rel_err({n: params[1][n] for n in step1}, step1) <= 1e-6
+
+
+def test_batch_layouts_with_the_same_windows_train_the_same_weights(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
+    """micro 4 x accumulation 2 and micro 8 x accumulation 1 both make windows [8] and [2]."""
+    from safetensors.torch import load_file
+
+    a = tiny_config({**EXACT, "train.micro_batch_size": 4, "train.gradient_accumulation_steps": 2, "run.output_dir": str(tmp_path / "a")}, name="a.yaml")
+    b = tiny_config({**EXACT, "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 1, "run.output_dir": str(tmp_path / "b")}, name="b.yaml")
+    assert train_mod.main(["--config", str(a)]) == 0
+    assert train_mod.main(["--config", str(b)]) == 0
+    wa, wb = load_file(tmp_path / "a" / "final" / "model.safetensors"), load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    moved = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    assert moved <= 1e-5
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+
+
+def test_max_steps_ends_the_run_and_the_schedule(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
+    # 64 rows, micro 4 x accumulation 2: 8 windows per epoch; epochs 3 but max_steps 5 -> 5 steps
+    cfg = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 8, "train.micro_batch_size": 4, "train.epochs": 3, "train.max_steps": 5, "train.warmup_ratio": 0.0, "train.lr_scheduler": "linear", "train.log_every_steps": 1})
+    assert train_mod.main(["--config", str(cfg)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5]
+    lr0 = load_config(cfg).train.learning_rate
+    # linear decay over exactly 5 steps: lr after step k is lr0 * (5 - k) / 5, reaching 0 at the end
+    assert [r["lr"] for r in train_rows] == pytest.approx([lr0 * (5 - k) / 5 for k in range(1, 6)], rel=1e-6)
+    # fractional epochs: 0.5 epoch of 8 windows is 4 steps
+    cfg2 = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 8, "train.micro_batch_size": 4, "train.epochs": 0.5, "train.log_every_steps": 1, "run.overwrite": True})
+    assert train_mod.main(["--config", str(cfg2)]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end through `accelerate launch`.
+
+
+def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    launcher = Path(sys.executable).parent / "accelerate"
+    launch = [str(launcher), "launch"] if launcher.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    cmd = [
+        *launch, "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "finetune/train.py", "--config", "configs/tiny-debug.yaml", f"run.output_dir={out}",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "FINETUNE_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "done:" in proc.stderr
+
+    cfg = load_config(TINY, [f"run.output_dir={out}"])
+    names = ["negative", "positive"]
+
+    # eval.json: final validation metrics at the top level
+    ev = json.loads((out / "eval.json").read_text())
+    assert 0.0 <= ev["accuracy"] <= 1.0 and 0.0 <= ev["macro_f1"] <= 1.0
+    assert set(ev["per_class"]) == set(names)
+    assert {"precision", "recall", "f1"} <= set(ev["per_class"]["negative"])
+    cm = ev["confusion_matrix"]
+    assert len(cm) == 2 and all(len(r) == 2 for r in cm) and sum(map(sum, cm)) == cfg.data.max_eval_samples
+    assert ev["accuracy"] == pytest.approx((cm[0][0] + cm[1][1]) / cfg.data.max_eval_samples)
+
+    # metrics.jsonl: a row per logging interval (steps 2, 4, ...) and eval rows (every 4 steps + final)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_per_epoch = -(-cfg.data.max_train_samples // (cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps))
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(2, steps_per_epoch + 1, 2))
+    assert all({"lr", "samples_per_s"} <= set(r) for r in train_rows)
+    assert [r["step"] for r in rows if "eval_accuracy" in r][-1] == steps_per_epoch
+    assert rows[-1]["eval_accuracy"] == pytest.approx(ev["accuracy"])
+
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    prov = json.loads((out / "provenance.json").read_text())
+    assert {"torch", "transformers", "accelerate", "datasets", "git_commit"} <= set(prov)
+    train_file = data_dir / "sst2" / "train.tsv"
+    assert prov["data_files"]["train"]["sha256"] == hashlib.sha256(train_file.read_bytes()).hexdigest()
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["splits"]["train"]["rows"] == cfg.data.max_train_samples
+    assert report["splits"]["validation"]["rows"] == cfg.data.max_eval_samples
+    # config.yaml: the resolved config, reloadable
+    assert validate_config(parse_yaml12((out / "config.yaml").read_text())) == cfg
+
+    # the export loads in a pipeline and predicts the config's label names
+    from transformers import pipeline
+
+    clf = pipeline("text-classification", model=str(out / "final"), device="cpu")
+    preds = clf(["a wonderful , moving film", "dull and lifeless"])
+    assert len(preds) == 2 and all(p["label"] in names for p in preds)
+    assert all(0.0 < p["score"] <= 1.0 for p in preds)
