@@ -166,7 +166,7 @@ class TrainConfig(_Section):
     max_steps: PositiveInt | None = None
     micro_batch_size: Union[PositiveInt, Literal["auto"]] = 32
     gradient_accumulation_steps: PositiveInt = 1
-    batch_size: PositiveInt | None = None
+    batch_size: PositiveInt | None = None  # effective batch; alone it replaces micro_batch_size and gradient_accumulation_steps
     learning_rate: PositiveFloat = 5e-5
     weight_decay: float = Field(0.01, ge=0.0)
     warmup_ratio: float = Field(0.06, ge=0.0, lt=1.0)
@@ -230,6 +230,16 @@ class Config(_Section):
             raise ValueError("train.micro_batch_size=auto needs memory.budget_gb")
         if t.micro_batch_size == "auto" and t.batch_size is None:
             raise ValueError("train.micro_batch_size=auto needs train.batch_size (the effective batch to keep)")
+        # effective batch = micro-batch x accumulation x processes: batch_size alone replaces the two
+        # keys; with both given they must agree (the process count is checked at launch, planner.resolve_batch)
+        given = t.model_fields_set
+        if t.batch_size is not None and t.micro_batch_size != "auto" and "micro_batch_size" in given:
+            per_window = int(t.micro_batch_size) * (t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1)
+            if t.batch_size % per_window:
+                raise ValueError(
+                    f"train.batch_size={t.batch_size} must equal train.micro_batch_size ({t.micro_batch_size}) x "
+                    f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if 'gradient_accumulation_steps' in given else 'derived'}) x processes"
+                )
         if self.model.lora is not None and self.model.freeze_embeddings:
             pass  # compatible: LoRA freezes the base anyway
         return self

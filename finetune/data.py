@@ -401,16 +401,21 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
         order = torch.randperm(len(self.lengths), generator=g).tolist()
         if not self.group_by_length:
             return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        # sort within megabatches by length (longest first), then shuffle the batch order
-        batches: list[list[int]] = []
+        # sort within megabatches by length (longest first), cut into accumulation windows, shuffle
+        # the window order, then cut each window into micro-batches. Grouping whole windows makes
+        # an epoch's windows (which samples each optimizer step sees) independent of the
+        # micro-batch size: micro 16 x 2 and micro 8 x 4 step on the same samples, which is what
+        # lets an out-of-memory retry halve the micro-batch mid-epoch (finetune/planner.py).
+        window = self.batch_size * self.accumulation
+        windows: list[list[int]] = []
         for s in range(0, len(order), self.megabatch):
             chunk = sorted(order[s : s + self.megabatch], key=lambda i: -self.lengths[i])
-            batches.extend(chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size))
-        # keep a full batch last: only the epoch's final batch may be short
-        full = [b for b in batches if len(b) == self.batch_size]
-        short = [b for b in batches if len(b) != self.batch_size]
+            windows.extend(chunk[i : i + window] for i in range(0, len(chunk), window))
+        # keep a full window last: only the epoch's final window may be short
+        full = [w for w in windows if len(w) == window]
+        short = [w for w in windows if len(w) != window]
         perm = torch.randperm(len(full), generator=g).tolist()
-        return [full[i] for i in perm] + short
+        return [w[i : i + self.batch_size] for w in [full[i] for i in perm] + short for i in range(0, len(w), self.batch_size)]
 
     def __iter__(self) -> Iterator[list[tuple[int, int, float]]]:
         batches = self.batches()

@@ -99,7 +99,53 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
         # non-reentrant: works with frozen inputs and under torch.compile
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    if m.freeze_embeddings:
+        freeze_embeddings(model)
+    if m.gradient_checkpointing and (m.freeze_embeddings or m.lora is not None):
+        # with frozen inputs to the checkpointed blocks, make the embedding output require grad so
+        # that the blocks' recomputation is part of the graph (HF's recommended pairing)
+        model.enable_input_require_grads()
+    if m.lora is not None:
+        model = add_lora(model, m.lora)
     return model
+
+
+# Classification heads trained in full under LoRA (peft `modules_to_save`), by HF attribute name.
+HEAD_NAMES = ("pre_classifier", "classifier", "score")
+
+
+def freeze_embeddings(model: PreTrainedModel) -> None:
+    """Freeze the embedding block (word, position, token-type embeddings and their norm)."""
+    block = getattr(model.base_model, "embeddings", None) or model.get_input_embeddings()
+    for p in block.parameters():
+        p.requires_grad_(False)
+
+
+def add_lora(model: PreTrainedModel, lora: Any) -> Any:
+    """Wrap in peft LoRA adapters on `lora.target_modules`; the classification head trains in full."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    heads = [n for n in HEAD_NAMES if isinstance(getattr(model, n, None), torch.nn.Module)]
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in lora.target_modules if t not in names]
+    if missing:
+        raise UserError(f"model.lora.target_modules: {missing} are not module names of this model (e.g. query, key, value, dense)")
+    config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        modules_to_save=heads,
+    )
+    return get_peft_model(model, config)
+
+
+def exportable(model: torch.nn.Module) -> PreTrainedModel:
+    """The plain transformers model to export: LoRA adapters merged (so loading needs no peft)."""
+    if hasattr(model, "merge_and_unload"):
+        return model.merge_and_unload()
+    return model  # type: ignore[return-value]
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

@@ -406,22 +406,11 @@ def build_for_planning(cfg: Config, label_names: list[str], tokenizer: Any, fake
 
 
 def apply_precision_for_planning(cfg: Config, model: nn.Module) -> nn.Module:
-    """bf16-true: the weight cast training applies (precision.py's, when it provides one)."""
-    if cfg.precision.mode != "bf16-true":
-        return model
-    from finetune import precision
+    """The precision policy training applies (bf16-true cast, fp32 norms)."""
+    from finetune.precision import apply_precision_policy
 
-    cast = getattr(precision, "cast_model", None) or getattr(precision, "prepare_model", None)
-    if cast is not None:
-        try:
-            return cast(model, cfg) or model
-        except TypeError:
-            pass
-    model.to(torch.bfloat16)
-    # keep norms in fp32 (what fp32_norms does for bf16-true)
-    for mod in model.modules():
-        if isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) or "Norm" in type(mod).__name__:
-            mod.float()
+    prec = cfg.precision
+    apply_precision_policy(model, prec.mode, prec.fp32_norms, prec.norm_class_names)
     return model
 
 
@@ -435,7 +424,7 @@ def fake_batch_factory(tokenizer: Any, micro: int, seq_len: int, num_labels: int
             batch["attention_mask"] = torch.ones(micro, seq_len, dtype=torch.long)
         if "token_type_ids" in names:
             batch["token_type_ids"] = torch.zeros(micro, seq_len, dtype=torch.long)
-        batch["labels"] = torch.zeros(micro, dtype=torch.long) % num_labels
+        batch["labels"] = torch.zeros(micro, dtype=torch.long)
         return batch
 
     return make
@@ -444,11 +433,13 @@ def fake_batch_factory(tokenizer: Any, micro: int, seq_len: int, num_labels: int
 def predict_peak(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], seq_len: int | None = None) -> Measurement:
     """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated)."""
     seq_len = seq_len or cfg.data.max_length
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    model, optimizer = build_for_planning(cfg, label_names, tokenizer, fake_mode)
-    make = fake_batch_factory(tokenizer, micro, seq_len, len(label_names))
-    with fake_mode:
-        return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
+    # building a model draws from the global RNG: keep the training run's random stream untouched
+    with torch.random.fork_rng(devices=[]):
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        model, optimizer = build_for_planning(cfg, label_names, tokenizer, fake_mode)
+        make = fake_batch_factory(tokenizer, micro, seq_len, len(label_names))
+        with fake_mode:
+            return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
 
 
 def plan(
@@ -533,3 +524,102 @@ def measure_real(cfg: Config, micro: int, accumulation: int, tokenizer: Any, lab
     model, optimizer = build_for_planning(cfg, label_names, tokenizer)
     make = real_batch_factory(tokenizer, texts[:micro], labels[:micro], seq_len)
     return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# At run time: the micro-batch to train with, and out-of-memory recovery.
+
+
+def choose_micro_batch(cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]) -> tuple[int, int]:
+    """`train.micro_batch_size: auto`: the largest micro-batch whose planned peak (with margin)
+    fits `memory.budget_gb`; accumulation makes up `train.batch_size`."""
+    assert cfg.memory.budget_gb is not None and cfg.train.batch_size is not None
+    check_plannable(cfg, device)
+    budget = int(cfg.memory.budget_gb * GiB)
+    per_process = cfg.train.batch_size // num_processes
+    smallest = None
+    for micro in reversed(micro_batch_ladder(per_process)):  # the peak grows with the micro-batch
+        G = per_process // micro
+        m = predict_peak(cfg, micro, G, tokenizer, label_names)
+        need = m.peak_bytes + margin_bytes(m.peak_bytes, device)
+        logger.info(f"memory plan: micro-batch {micro} x accumulation {G}: {need / MiB:,.0f} MiB planned on {device} (budget {budget / MiB:,.0f} MiB)")
+        if need <= budget:
+            return micro, G
+        smallest = need
+    raise UserError(
+        f"memory.budget_gb={cfg.memory.budget_gb:g}: even micro-batch 1 needs {smallest / GiB:.2f} GiB on {device}; "
+        "try precision.mode=bf16, model.gradient_checkpointing=true, model.lora, model.freeze_embeddings, "
+        "train.optimizer=adafactor or a shorter data.max_length (`finetune plan` shows where the memory goes)"
+    )
+
+
+def resolve_micro_batch(cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]) -> tuple[int, int]:
+    """(micro-batch, accumulation) per process: explicit, derived from `train.batch_size`, or planned (auto)."""
+    micro, G, _ = resolve_batch(cfg, num_processes)
+    if micro is None:
+        micro, G = choose_micro_batch(cfg, num_processes, device, tokenizer, label_names)
+        logger.info(f"train.micro_batch_size=auto: micro-batch {micro} x accumulation {G} x {num_processes} process(es) = {cfg.train.batch_size}")
+    assert G is not None
+    return micro, G
+
+
+def smaller_micro_batch(micro: int, accumulation: int) -> tuple[int, int]:
+    """The next micro-batch down (half, or the largest divisor below half) and the accumulation
+    that keeps micro x accumulation unchanged."""
+    new = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+    return new, accumulation * (micro // new)
+
+
+class OutOfMemoryGuard:
+    """Around one micro-step: swallows `torch.OutOfMemoryError` and records it, so the loop can
+    halve the micro-batch, double the accumulation and redo the window (same effective batch).
+
+    Fault injection for tests on CPU: `FINETUNE_FAULT=oom_at_step:N` raises once, in the second
+    micro-batch of the window that makes optimizer step N (the first when there is one).
+    """
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.message = ""
+        self._injected = False
+
+    def __enter__(self) -> "OutOfMemoryGuard":
+        self.hit = False
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
+        if typ is not None and issubclass(typ, torch.OutOfMemoryError):
+            self.hit = True
+            self.message = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            return True
+        return False
+
+    def maybe_inject(self, next_step: int, index_in_window: int, accumulation: int) -> None:
+        """Raise the injected out-of-memory error when FINETUNE_FAULT asks for it (once)."""
+        from finetune.checkpoint import fault
+
+        if not self._injected and index_in_window == min(1, accumulation - 1) and fault("oom_at_step", next_step):
+            self._injected = True
+            raise torch.OutOfMemoryError(f"injected out-of-memory in the window of step {next_step} (FINETUNE_FAULT)")
+
+    def shrink(self, micro: int, accumulation: int, batches_done: int) -> tuple[int, int, int]:
+        """(micro, accumulation, micro-batches to skip) to redo the current window with.
+
+        Every window before the current one is full (only an epoch's last window is short), so the
+        windows done are (batches_done - 1) // accumulation, and the rebuilt loader - whose
+        windows hold the same samples (`WindowedBatchSampler`) - skips that many windows.
+        """
+        if micro == 1:
+            raise UserError(
+                f"out of memory at micro-batch 1 ({self.message}); try precision.mode=bf16, model.gradient_checkpointing=true, "
+                "model.lora or a shorter data.max_length (`finetune plan` shows where the memory goes)"
+            )
+        windows_done = (batches_done - 1) // accumulation
+        new_micro, new_acc = smaller_micro_batch(micro, accumulation)
+        logger.warning(
+            f"out of memory at micro-batch {micro} x accumulation {accumulation} ({self.message}); "
+            f"redoing the window with micro-batch {new_micro} x accumulation {new_acc} (same effective batch)"
+        )
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the failed window's blocks
+        return new_micro, new_acc, windows_done * new_acc
