@@ -388,7 +388,7 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
         self.seed = seed
         self.group_by_length = group_by_length
         self.pad_to_multiple = pad_to_multiple
-        self.megabatch = batch_size * megabatch_factor
+        self.megabatch = batch_size * accumulation * megabatch_factor
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
