@@ -15,7 +15,7 @@ from finetune.errors import UserError
 def _cmd_train(argv: list[str]) -> int:
     from finetune.train import main as train_main
 
-    return train_main(argv)
+    return train_main(argv, prog="finetune train")
 
 
 def _load_classifier(model_dir: str) -> tuple[Any, Any]:
@@ -129,7 +129,17 @@ def _cmd_evaluate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "predict": _cmd_predict}
+def _cmd_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="finetune report", description="Memory reports of a run's checkpoints as one table.")
+    parser.add_argument("run_dir", help="a run directory (run.output_dir)")
+    args = parser.parse_args(argv)
+    from finetune.memory import report_table
+
+    print(report_table(Path(args.run_dir)))
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "predict": _cmd_predict, "report": _cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

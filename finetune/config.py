@@ -198,8 +198,14 @@ class CheckpointConfig(_Section):
     every_steps: PositiveInt | None = None
     resume: str | None = None  # auto | <path> | null
     keep_last: PositiveInt = 2
-    best_metric: str = "accuracy"
-    export: Literal["last", "best"] = "last"
+    best_metric: str = "accuracy"  # an evaluation metric (accuracy, macro_f1, loss: lower is better)
+    export: Literal["last", "best"] = "last"  # what final/ holds
+
+    @model_validator(mode="after")
+    def _export(self) -> "CheckpointConfig":
+        if self.export == "best" and self.every_steps is None:
+            raise ValueError("checkpoint.export=best chooses among checkpoints: set checkpoint.every_steps")
+        return self
 
 
 class MemoryConfig(_Section):

@@ -489,7 +489,10 @@ def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_
         group_by_length=cfg.data.group_by_length,
         pad_to_multiple=num_processes,
     )
-    loader = DataLoader(WindowedDataset(ds), batch_sampler=sampler, collate_fn=Collator(tokenizer), num_workers=cfg.data.num_workers)
+    # its own generator: a DataLoader without one draws its base seed from the global torch RNG at
+    # every iterator creation, which shifts dropout masks after a mid-epoch resume (exact resume)
+    loader = DataLoader(WindowedDataset(ds), batch_sampler=sampler, collate_fn=Collator(tokenizer), num_workers=cfg.data.num_workers,
+                        generator=torch.Generator().manual_seed(cfg.run.seed))
     return loader, sampler
 
 
@@ -497,4 +500,6 @@ def build_eval_loader(ds: datasets.Dataset, tokenizer: Any, batch_size: int, num
     """An evaluation DataLoader in length order (least padding; order does not change metrics)."""
     lengths = ds["length"][:]
     order = sorted(range(len(ds)), key=lambda i: lengths[i])
-    return DataLoader(WindowedDataset(ds.select(order)), batch_size=batch_size, shuffle=False, collate_fn=Collator(tokenizer), num_workers=num_workers)
+    # own generator: evaluating must not consume the global RNG (it would change later dropout masks)
+    return DataLoader(WindowedDataset(ds.select(order)), batch_size=batch_size, shuffle=False, collate_fn=Collator(tokenizer), num_workers=num_workers,
+                      generator=torch.Generator())

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from finetune import checkpoint as ckpt
+from finetune import memory as mem
 from finetune.config import Config, dump_config, load_config
 from finetune.data import (
     build_data_report,
@@ -224,9 +225,15 @@ def evaluate(model: torch.nn.Module, loader: Any, accelerator: Accelerator, labe
 # The run.
 
 
-def train(cfg: Config) -> dict[str, Any]:
-    """Run one fine-tuning job end to end; return the final evaluation metrics."""
+def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, Any]:
+    """Run one fine-tuning job end to end; return the final evaluation metrics.
+
+    With `guard` installed (as `main` does) SIGTERM/SIGINT end the run at the next optimizer step
+    with a checkpoint and `ckpt.Preempted`.
+    """
+    guard = guard or ckpt.PreemptionGuard()  # not installed: signals keep their handlers
     run_dir = check_output_dir(cfg)
+    ckpt.configure_determinism(cfg.precision.deterministic)  # before CUDA initialises
     accelerator = build_accelerator(cfg)
     setup_logging(accelerator, None)
     set_seed(cfg.run.seed)
@@ -252,12 +259,16 @@ def train(cfg: Config) -> dict[str, Any]:
     total_steps, num_epochs = planned_steps(cfg, windows_per_epoch)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
-    resume_from = ckpt.find_resume_checkpoint(cfg.checkpoint.resume, run_dir)
+    data_sha256 = {split: file_sha256(p) for split, p in data.files.items()}
+    resume_from = ckpt.find_resume_checkpoint(cfg.checkpoint.resume, run_dir, cfg.model_dump(mode="json"), data_sha256)
 
     if accelerator.is_main_process:
         if cfg.run.overwrite and resume_from is None:
             ckpt.remove_tree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.cleanup_stale(run_dir)  # temporaries of a save or rotation that a crash interrupted
+        if resume_from is None:
+            ckpt.trim_metrics(run_dir / "metrics.jsonl", 0)  # a restart of this config logs from step 0 again
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "labels.json").write_text(json.dumps(data.label_names))
         (run_dir / "provenance.json").write_text(json.dumps(provenance(cfg, data.files), indent=2))
@@ -285,10 +296,16 @@ def train(cfg: Config) -> dict[str, Any]:
 
     step, epoch, batches_done = 0, 0, 0  # optimizer steps, epoch, micro-batches consumed this epoch
     last_eval: dict[str, Any] = {}
+    best: dict[str, Any] = {}  # checkpoint.best_metric: value, step, evaluations without improvement
+    samples_seen, finished = 0.0, False  # samples up to the last log line; run over (early stop, end)
     if resume_from is not None:
         progress = ckpt.load_checkpoint(accelerator, resume_from)
         step, epoch, batches_done = progress["step"], progress["epoch"], progress["batches_in_epoch"]
         last_eval = progress.get("eval", {})
+        best, finished = progress.get("best", {}), progress.get("finished", False)
+        samples_seen = progress.get("samples_seen", 0) - progress.get("log_sums", [0, 0])[1]
+        if accelerator.is_main_process:
+            ckpt.trim_metrics(run_dir / "metrics.jsonl", step)  # the steps after the checkpoint are logged again
         logger.info(f"resumed from {resume_from} at step {step} (epoch {epoch}, {batches_done} batches in)")
 
     metrics_file = run_dir / "metrics.jsonl"
@@ -301,20 +318,39 @@ def train(cfg: Config) -> dict[str, Any]:
     real_tokens = torch.zeros((), device=accelerator.device)
     total_tokens = torch.zeros((), device=accelerator.device)
     t_log = time.perf_counter()
+    if resume_from is not None and accelerator.is_main_process:  # the saved partial log interval (all processes' sums)
+        for t, v in zip((loss_sum, samples, real_tokens, total_tokens), progress.get("log_sums", [0.0] * 4)):
+            t.fill_(v)
+    memmon = mem.MemoryMonitor(accelerator.device, model, optimizer, {
+        "precision": cfg.precision.mode, "micro_batch_size": micro, "gradient_accumulation_steps": G, "processes": P,
+        "max_length": cfg.data.max_length, "gradient_checkpointing": cfg.model.gradient_checkpointing,
+        "optimizer": cfg.train.optimizer, "lora": cfg.model.lora is not None}, cfg.memory.record_history)
 
     def progress_state() -> dict[str, Any]:
-        return {"step": step, "epoch": epoch, "batches_in_epoch": batches_done, "data_seed": cfg.run.seed, "eval": last_eval}
+        # every process calls this (reduce is a collective); a finished epoch is saved as the start of the next
+        log_sums = accelerator.reduce(torch.stack([loss_sum, samples, real_tokens, total_tokens]), "sum").tolist()
+        e, b = (epoch + 1, 0) if batches_done >= len(train_loader) else (epoch, batches_done)
+        return {"step": step, "epoch": e, "batches_in_epoch": b, "samples_seen": int(samples_seen + log_sums[1]),
+                "data_seed": cfg.run.seed, "best_metric": cfg.checkpoint.best_metric, "best": best, "finished": finished,
+                "eval": last_eval, "log_sums": log_sums, "data_sha256": data_sha256}
 
-    def save(at_step: int) -> None:
-        ckpt.save_checkpoint(accelerator, run_dir, at_step, progress_state(), {"config.yaml": dump_config(cfg), "eval.json": json.dumps(last_eval, indent=2),
+    def save(at_step: int) -> Path:
+        report = memmon.report(at_step)
+        return ckpt.save_checkpoint(accelerator, run_dir, at_step, progress_state(), write_extra=lambda d: memmon.write(report, d, metrics_file),
+                                    keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.best_metric, files={"config.yaml": dump_config(cfg), "eval.json": json.dumps(last_eval, indent=2),
                              "dtype_audit.json": audit_json(dtype_audit(accelerator.unwrap_model(model), prec.mode, prec.fp32_norms, norm_names=norm_names))})
 
+    memmon.begin_sample(step)  # a resumed run samples its first window (the optimizer state exists)
     model.train()
-    while step < total_steps and epoch < num_epochs:
-        sampler.set_epoch(epoch)
+    while step < total_steps and epoch < num_epochs and not finished:
         loader = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
+        # Accelerate's loader sets the sampler's epoch to its own count of iter() calls; a resumed
+        # run has a fresh count, so set both explicitly (same data order as an uninterrupted run)
+        loader.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         for batch in loader:
             batches_done += 1
+            ckpt.inject_faults("batch", epoch * len(train_loader) + batches_done, run_dir, guard)
             labels = batch.pop("labels")
             weight = batch.pop("sample_weight")
             window_samples = batch.pop("window_samples")
@@ -348,6 +384,8 @@ def train(cfg: Config) -> dict[str, Any]:
 
             step += 1
             bar.update(1)
+            memmon.end_sample()
+            ckpt.inject_faults("step", step, run_dir, guard)
             if step % cfg.train.log_every_steps == 0 or step == total_steps:
                 sums = accelerator.reduce(torch.stack([loss_sum, samples, real_tokens, total_tokens]), "sum").tolist()
                 elapsed = time.perf_counter() - t_log
@@ -359,6 +397,8 @@ def train(cfg: Config) -> dict[str, Any]:
                     "samples_per_s": sums[1] / max(elapsed, 1e-9),
                     "padding_fraction": 1.0 - sums[2] / max(sums[3], 1.0),
                 }
+                row["peak_memory_bytes"] = memmon.interval_peak()
+                samples_seen += sums[1]
                 row.update(monitor.fields())  # compile_graphs, loss_scale, skipped steps
                 if accelerator.is_main_process:
                     with metrics_file.open("a") as f:
@@ -371,6 +411,8 @@ def train(cfg: Config) -> dict[str, Any]:
                 t_eval = time.perf_counter()
                 release_cached_memory(prec.empty_cache, accelerator.device)
                 last_eval = evaluate(model, eval_loader, accelerator, data.label_names)
+                last_eval["step"] = step
+                ckpt.update_best(best, cfg.checkpoint.best_metric, last_eval, step)
                 eval_row = {"step": step, "eval_accuracy": last_eval["accuracy"], "eval_macro_f1": last_eval["macro_f1"], "eval_loss": last_eval["loss"]}
                 eval_row.update(monitor.fields())
                 if accelerator.is_main_process:
@@ -381,7 +423,16 @@ def train(cfg: Config) -> dict[str, Any]:
                 t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
                 save(step)
-            if step >= total_steps:
+            stop_signal = guard.requested(accelerator)
+            if stop_signal is not None:  # preemption: checkpoint this step, then exit 143 (SIGTERM) / 130 (SIGINT)
+                bar.close()
+                raise ckpt.Preempted(stop_signal, step, save(step))
+            patience = cfg.train.early_stopping_patience
+            if patience and best.get("bad_evals", 0) >= patience:
+                logger.info(f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} evaluations")
+                finished = True
+            memmon.begin_sample(step)
+            if step >= total_steps or finished:
                 break
         else:
             epoch, batches_done = epoch + 1, 0
@@ -395,7 +446,9 @@ def train(cfg: Config) -> dict[str, Any]:
     release_cached_memory(prec.empty_cache, accelerator.device)
     if eval_loader is not None:
         final = evaluate(model, eval_loader, accelerator, data.label_names)
+        final["step"] = step
         last_eval = final
+        ckpt.update_best(best, cfg.checkpoint.best_metric, final, step)
     if test_loader is not None:
         final["test"] = evaluate(model, test_loader, accelerator, data.label_names)
     if accelerator.is_main_process:
@@ -406,12 +459,17 @@ def train(cfg: Config) -> dict[str, Any]:
             with metrics_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+    finished = True
     if cfg.checkpoint.every_steps:
         save(step)
+    memmon.close()
+    if cfg.checkpoint.export == "best":
+        ckpt.load_best_weights(accelerator, model, run_dir, cfg.checkpoint.best_metric)
     export_final(accelerator, model, tokenizer, run_dir / "final")
     if accelerator.is_main_process:
         if metrics_file.exists():
             plot_curves(metrics_file, run_dir / "curves.png")
+            mem.plot_memory(metrics_file, run_dir / "memory.png")
         summary = f"done: {step} steps"
         if "accuracy" in final:
             summary += f"; validation accuracy {final['accuracy']:.4f}, macro-F1 {final['macro_f1']:.4f}"
@@ -447,15 +505,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, validate and train; a user error prints one line and returns 2."""
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Parse, validate and train; a user error prints one line and returns 2.
+
+    A run stopped by SIGTERM / SIGINT saves a checkpoint, prints how to resume and returns 143 / 130
+    (docs/RESUME.md).
+    """
     try:
         args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
-        train(cfg)
+        with ckpt.PreemptionGuard() as guard:
+            train(cfg, guard)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ckpt.Preempted as exc:
+        if prog is None:
+            launched = "ACCELERATE_MIXED_PRECISION" in os.environ
+            prog = "accelerate launch finetune/train.py" if launched else "python finetune/train.py"
+        print(f"{exc.signal_name}: stopped at step {exc.step}, checkpoint {exc.checkpoint}; resume with: "
+              f"{ckpt.resume_hint(prog, args.config, args.overrides)}", file=sys.stderr, flush=True)
+        return exc.exit_code
     return 0
 
 

@@ -1,0 +1,402 @@
+"""Measured memory: what a run actually used, written into every checkpoint.
+
+Three sources, each named in the report:
+- exact tensor sums: parameters, gradients (summed from the real `.grad` tensors right after
+  an optimizer step, before they are freed) and optimizer state;
+- the breakdown at the peak (activations, temporaries, peak) from torch's `MemTracker` on one
+  sampled optimizer step (a whole accumulation window plus the optimizer step), taken once the
+  optimizer state exists; on CUDA without a sample: the measured peak minus the rest;
+- device counters: on CUDA peak/current allocated and reserved since the previous checkpoint,
+  fragmentation, allocation retries, OOMs and `memory_summary()`; on CPU the peak RSS since the
+  previous checkpoint (Linux VmHWM, reset through /proc/self/clear_refs).
+
+The planner (what a config *will* need) lives in finetune/planner.py; this module only measures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("finetune")
+
+MIB = 1 << 20
+REPORT_KEYS = (
+    "parameters_bytes",
+    "gradients_bytes",
+    "optimizer_state_bytes",
+    "activations_bytes",
+    "temporaries_bytes",
+    "peak_bytes",
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact sums over tensors.
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (shared parameters counted once)."""
+    return sum(_nbytes(p) for p in model.parameters())
+
+
+def buffer_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's buffers."""
+    return sum(_nbytes(b) for b in model.buffers())
+
+
+def gradient_bytes(model_or_params: Any) -> int:
+    """Bytes of the `.grad` tensors that exist now."""
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    return sum(_nbytes(p.grad) for p in params if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (AdamW moments, step counters, ...)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+    return sum(_nbytes(v) for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+# ----------------------------------------------------------------------------------------------
+# Process / device counters.
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        m = re.search(r"VmHWM:\s+(\d+)\s+kB", Path("/proc/self/status").read_text())
+    except OSError:
+        return None
+    return int(m.group(1)) * 1024 if m else None
+
+
+def _reset_vm_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class _NoHandle:
+    """Stands in for a hook handle on a frozen parameter (see `_memtracker`)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _memtracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """A MemTracker over the model and optimizer that also works with frozen parameters.
+
+    MemTracker registers a gradient hook on every parameter it meets in forward and raises
+    "cannot register a hook on a tensor that doesn't require gradient" on frozen ones (LoRA,
+    frozen embeddings). Marking those as already hooked skips them; they have no gradient.
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    for p in model.parameters():
+        if not p.requires_grad:
+            mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+    mt.track_external(model, getattr(optimizer, "optimizer", optimizer))
+    return mt
+
+
+class MemoryMonitor:
+    """Collects the measurements of one training process between checkpoints.
+
+    The loop calls `interval_peak()` at each log line, `end_sample()` / `begin_sample()` around
+    optimizer-step boundaries and `report()` when it writes a checkpoint.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config_summary: dict[str, Any],
+        record_history: bool = False,
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.model = model
+        self.optimizer = optimizer
+        self.config_summary = config_summary
+        self.record_history = record_history and self.cuda
+        if record_history and not self.cuda:
+            logger.warning("warning: memory.record_history records the CUDA allocator and does nothing on this device")
+        self.gradients: int | None = None
+        self.sample: dict[str, Any] | None = None
+        self._tracker: Any = None
+        self._reset_hook: Any = None
+        self._sample_step: int | None = None
+        self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
+        self._rss_resettable = _reset_vm_hwm()
+        inner = getattr(optimizer, "optimizer", optimizer)
+        # exact gradient bytes: read once, right after the first optimizer step, before zero_grad frees them
+        self._grad_hook = inner.register_step_post_hook(self._count_gradients)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            if self.record_history:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    def _count_gradients(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.gradients = gradient_bytes(params)
+        self._grad_hook.remove()
+
+    # -- peaks ---------------------------------------------------------------------------------
+
+    def interval_peak(self) -> int:
+        """Peak bytes since the previous call (CUDA allocated, else RSS); resets the counter."""
+        if self.cuda:
+            alloc = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            self._since_ckpt["peak_allocated"] = max(self._since_ckpt["peak_allocated"], alloc)
+            self._since_ckpt["peak_reserved"] = max(self._since_ckpt["peak_reserved"], reserved)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return int(alloc)
+        rss = _vm_hwm_bytes() or current_rss_bytes()
+        self._since_ckpt["peak_rss"] = max(self._since_ckpt["peak_rss"], rss)
+        self._rss_resettable = _reset_vm_hwm()
+        return int(rss)
+
+    # -- the sampled step ----------------------------------------------------------------------
+
+    def begin_sample(self, step: int) -> None:
+        """Start MemTracker on the window that produces step `step + 1`, once per process.
+
+        Only after the first optimizer step: before it AdamW's state does not exist yet and the
+        peak would be too low (DESIGN.md).
+        """
+        if self.sample is not None or self._tracker is not None or step < 1:
+            return
+        try:
+            tracker = _memtracker(self.model, self.optimizer)
+            top = self.model
+
+            def reset_before_forward(module: torch.nn.Module, args: Any) -> None:
+                # MemTracker refuses a second forward of a module (one per micro-batch of the
+                # window) unless its per-module stats are reset first; registered before the
+                # tracker's own global hook, so it runs first
+                if module is top:
+                    tracker.reset_mod_stats()
+
+            self._reset_hook = torch.nn.modules.module.register_module_forward_pre_hook(reset_before_forward)
+            tracker.__enter__()
+            self._tracker = tracker
+            self._sample_step = step + 1
+        except Exception as exc:  # the report says why there is no breakdown; training goes on
+            logger.warning(f"warning: MemTracker could not start ({type(exc).__name__}: {exc}); memory breakdown from measured peaks")
+            self._tracker = None
+            self.sample = {"error": f"{type(exc).__name__}: {exc}"}
+
+    def end_sample(self) -> None:
+        """Stop MemTracker after the sampled optimizer step and keep its peak breakdown."""
+        if self._tracker is None:
+            return
+        mt, self._tracker = self._tracker, None
+        mt.__exit__(None, None, None)
+        self._reset_hook.remove()
+        snap = mt.get_tracker_snapshot("peak")
+        dev = next((d for d in snap if torch.device(d).type == self.device.type), None)
+        peak = snap.get(dev, {}) if dev is not None else {}
+        self.sample = {"step": self._sample_step, "peak": {str(k): int(v) for k, v in peak.items()}}
+
+    # -- the report ----------------------------------------------------------------------------
+
+    def report(self, step: int) -> dict[str, Any]:
+        """memory.json for a checkpoint at `step`; starts a new since-checkpoint window."""
+        self.interval_peak()
+        params = parameter_bytes(self.model)
+        grads = self.gradients
+        grad_source = "the .grad tensors after the first optimizer step of this process"
+        if grads is None:
+            grads = sum(_nbytes(p) for p in self.model.parameters() if p.requires_grad)
+            grad_source = "trainable parameter sizes (no optimizer step in this process yet)"
+        optim = optimizer_state_bytes(self.optimizer)
+        rep: dict[str, Any] = {
+            "step": step,
+            "device": str(self.device),
+            "parameters_bytes": params,
+            "buffers_bytes": buffer_bytes(self.model),
+            "gradients_bytes": grads,
+            "gradients_source": grad_source,
+            "optimizer_state_bytes": optim,
+            "activations_bytes": None,
+            "temporaries_bytes": None,
+            "peak_bytes": None,
+            "breakdown_method": "none: no optimizer step was sampled in this process",
+            "memtracker_peak": None,
+            "config": self.config_summary,
+            "cpu": {
+                "peak_rss_bytes": self._since_ckpt["peak_rss"] or None,
+                "peak_rss_scope": "since the previous checkpoint" if self._rss_resettable else "process lifetime",
+                "current_rss_bytes": current_rss_bytes(),
+            },
+            "cuda": None,
+        }
+        sample = self.sample or {}
+        if "peak" in sample:
+            peak = sample["peak"]
+            rep.update(
+                activations_bytes=peak.get("Activation", 0),
+                temporaries_bytes=peak.get("Temp", 0),
+                peak_bytes=peak.get("Total", sum(peak.values())),
+                breakdown_method=f"MemTracker on optimizer step {sample['step']} (a whole accumulation window and the optimizer step)",
+                memtracker_peak=peak,
+            )
+        if self.cuda:
+            stats = torch.cuda.memory_stats(self.device)
+            alloc, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+            rep["cuda"] = {
+                "peak_allocated_bytes": self._since_ckpt["peak_allocated"],
+                "peak_reserved_bytes": self._since_ckpt["peak_reserved"],
+                "peak_scope": "since the previous checkpoint",
+                "allocated_bytes": alloc,
+                "reserved_bytes": reserved,
+                "fragmentation_bytes": reserved - alloc,
+                "alloc_retries": int(stats.get("num_alloc_retries", 0)),
+                "ooms": int(stats.get("num_ooms", 0)),
+                "memory_summary": torch.cuda.memory_summary(self.device, abbreviated=True),
+            }
+            if "peak" not in sample:
+                rest = params + grads + optim
+                peak_alloc = self._since_ckpt["peak_allocated"]
+                rep.update(
+                    activations_bytes=max(0, peak_alloc - rest),
+                    temporaries_bytes=0,
+                    peak_bytes=peak_alloc,
+                    breakdown_method="measured CUDA peak allocated minus parameters, gradients and optimizer state (activations include temporaries)",
+                )
+        if "error" in sample:
+            rep["breakdown_method"] += f"; MemTracker failed: {sample['error']}"
+        self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
+        return rep
+
+    def write(self, rep: dict[str, Any], directory: Path, metrics_file: Path | None = None) -> None:
+        """memory.json, memory.md, memory.png (peak per log interval) and, if recorded, the CUDA snapshot."""
+        (directory / "memory.json").write_text(json.dumps(rep, indent=2))
+        (directory / "memory.md").write_text(format_markdown(rep))
+        if metrics_file is not None and metrics_file.is_file():
+            plot_memory(metrics_file, directory / "memory.png", upto_step=rep["step"])
+        if self.record_history:
+            torch.cuda.memory._dump_snapshot(str(directory / "memory_snapshot.pickle"))
+
+    def close(self) -> None:
+        """Stop a running sample and the allocator history."""
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._reset_hook.remove()
+            self._tracker = None
+        if self.record_history:
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering.
+
+
+def _mib(v: Any) -> str:
+    return "-" if v is None else f"{v / MIB:,.1f}"
+
+
+def format_markdown(rep: dict[str, Any]) -> str:
+    """memory.md: the report as a table, with its method and configuration."""
+    lines = [f"# Memory at step {rep['step']} ({rep['device']})", "", "| what | MiB | bytes |", "|---|---:|---:|"]
+    for key in ("parameters_bytes", "buffers_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "temporaries_bytes", "peak_bytes"):
+        lines.append(f"| {key.removesuffix('_bytes')} | {_mib(rep.get(key))} | {rep.get(key) if rep.get(key) is not None else '-'} |")
+    lines += ["", f"Breakdown at the peak: {rep['breakdown_method']}.", f"Gradients: {rep['gradients_source']}.", ""]
+    cpu = rep.get("cpu") or {}
+    if cpu.get("peak_rss_bytes"):
+        lines.append(f"CPU peak RSS ({cpu['peak_rss_scope']}): {_mib(cpu['peak_rss_bytes'])} MiB; now {_mib(cpu['current_rss_bytes'])} MiB.")
+    cuda = rep.get("cuda")
+    if cuda:
+        lines += [
+            f"CUDA peak allocated {_mib(cuda['peak_allocated_bytes'])} MiB, peak reserved {_mib(cuda['peak_reserved_bytes'])} MiB ({cuda['peak_scope']}).",
+            f"Now: allocated {_mib(cuda['allocated_bytes'])} MiB, reserved {_mib(cuda['reserved_bytes'])} MiB, "
+            f"fragmentation (reserved - allocated) {_mib(cuda['fragmentation_bytes'])} MiB; "
+            f"allocation retries {cuda['alloc_retries']}, OOMs {cuda['ooms']}.",
+            "",
+            "```",
+            cuda["memory_summary"].rstrip(),
+            "```",
+        ]
+    lines += ["", "Configuration: " + ", ".join(f"{k}={v}" for k, v in rep["config"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot_memory(metrics_file: Path, out: Path, upto_step: int | None = None) -> None:
+    """memory.png: peak memory per logging interval from metrics.jsonl rows with `peak_memory_bytes`."""
+    rows: dict[int, float] = {}
+    for line in metrics_file.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "peak_memory_bytes" in row and (upto_step is None or row["step"] <= upto_step):
+            rows[row["step"]] = row["peak_memory_bytes"] / MIB
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(rows)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [rows[s] for s in steps], marker=".")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("peak MiB in the log interval")
+    ax.set_title("peak memory per logging interval")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+
+
+def report_table(run_dir: Path) -> str:
+    """`finetune report RUN_DIR`: one row per checkpoint with its memory report."""
+    root = Path(run_dir) / "checkpoints"
+    if not Path(run_dir).is_dir():
+        from finetune.errors import UserError
+
+        raise UserError(f"{run_dir} is not a run directory")
+    reports = []
+    for d in sorted(root.glob("step_*")) if root.is_dir() else []:
+        f = d / "memory.json"
+        if f.is_file():
+            try:
+                reports.append(json.loads(f.read_text()))
+            except json.JSONDecodeError:
+                continue
+    if not reports:
+        return f"{run_dir}: no checkpoint with a memory report"
+    head = ["step", "peak", "params", "grads", "optim", "activ", "temps", "device peak", "breakdown"]
+    rows = []
+    for r in reports:
+        cuda, cpu = r.get("cuda"), r.get("cpu") or {}
+        device_peak = f"{_mib(cuda['peak_allocated_bytes'])} alloc / {_mib(cuda['peak_reserved_bytes'])} resv" if cuda else f"{_mib(cpu.get('peak_rss_bytes'))} RSS"
+        method = r["breakdown_method"].split(" (")[0]
+        rows.append([str(r["step"]), *(_mib(r.get(k)) for k in ("peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "temporaries_bytes")), device_peak, method])
+    widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    fmt = lambda cells: "  ".join(c.rjust(w) if i < len(head) - 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    cfg = reports[-1].get("config", {})
+    lines = [f"memory per checkpoint of {run_dir} (MiB; {', '.join(f'{k}={v}' for k, v in cfg.items())})", fmt(head), fmt(["-" * w for w in widths])]
+    lines += [fmt(r) for r in rows]
+    return "\n".join(lines)
