@@ -89,6 +89,8 @@ def read_file(cfg: Config, path: Path) -> datasets.Dataset:
         raise UserError(f"data file {path} does not exist")
     fmt = _file_format(cfg, path)
     d = cfg.data
+    if path.stat().st_size == 0:
+        raise UserError(f"{path} is empty (no header, no rows)")
     if fmt in ("csv", "tsv", "text", "json", "jsonl"):
         _check_decodable(path, d.encoding)
     try:
@@ -117,6 +119,8 @@ def read_file(cfg: Config, path: Path) -> datasets.Dataset:
     except Exception as exc:  # datasets wraps pandas/arrow errors; show the root cause in one line
         cause = _root_cause(exc)
         msg = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if "corresponds to no data" in msg:  # datasets' words for a file with a header and no rows
+            raise UserError(f"{path} has no rows" + (" (only a header)" if fmt in ("csv", "tsv") and d.header else "")) from None
         raise UserError(f"cannot read {path} as {fmt}: {msg}") from None
     if fmt == "text" and d.line_regex is not None:
         ds = _apply_line_regex(ds, d.line_regex, path)
