@@ -19,11 +19,13 @@ def _cmd_train(argv: list[str]) -> int:
 
 
 def _load_classifier(model_dir: str) -> tuple[Any, Any]:
+    import transformers
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise UserError(f"--model {model_dir} is not an exported model directory (no config.json)")
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar around one-line errors
     return AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
 
 
@@ -57,6 +59,8 @@ def predict_texts(tokenizer: Any, model: Any, texts: list[str], batch_size: int 
     import torch
 
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    # never past the model's position embeddings (a from-scratch model may have fewer than 512)
+    max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding
     out: list[dict[str, Any] | None] = [None] * len(texts)
     with torch.no_grad():
@@ -82,8 +86,8 @@ def _cmd_predict(argv: list[str]) -> int:
     out = Path(args.output)
     if out.suffix.lower() not in (".jsonl", ".csv"):
         raise UserError(f"--output {out} must end in .jsonl or .csv")
+    texts = _read_texts(Path(args.input), args.text_column)  # input problems first, before the model loads
     tokenizer, model = _load_classifier(args.model)
-    texts = _read_texts(Path(args.input), args.text_column)
     preds = predict_texts(tokenizer, model, texts, args.batch_size)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix.lower() == ".jsonl":
@@ -119,9 +123,9 @@ def _cmd_evaluate(argv: list[str]) -> int:
     for split, ds in (("validation", raw.validation), ("test", raw.test)):
         if ds is None:
             continue
-        preds = predict_texts(tokenizer, model, ds["text"], max_length=cfg.data.max_length)
+        preds = predict_texts(tokenizer, model, ds["text"][:], max_length=cfg.data.max_length)
         y_pred = [names.index(p["label"]) for p in preds]
-        y_true = [names.index(raw.raw_to_name[v]) for v in ds["label"]]
+        y_true = [names.index(raw.raw_to_name[v]) for v in ds["label"][:]]
         result[split] = classification_metrics(y_true, y_pred, names)
     if not result:
         raise UserError(f"{args.config} has no validation or test data to evaluate on")
