@@ -290,11 +290,14 @@ class MemoryMonitor:
         return rep
 
     def write(self, rep: dict[str, Any], directory: Path, metrics_file: Path | None = None) -> None:
-        """memory.json, memory.md, memory.png (peak per log interval) and, if recorded, the CUDA snapshot."""
+        """memory.json, memory.md and, if recorded, the CUDA allocator snapshot.
+
+        memory.png (the peak per logging interval, from the `peak_memory_bytes` of metrics.jsonl)
+        is drawn once at the end of the run into the run directory: matplotlib costs about a
+        second per figure, too much for every checkpoint.
+        """
         (directory / "memory.json").write_text(json.dumps(rep, indent=2))
         (directory / "memory.md").write_text(format_markdown(rep))
-        if metrics_file is not None and metrics_file.is_file():
-            plot_memory(metrics_file, directory / "memory.png", upto_step=rep["step"])
         if self.record_history:
             torch.cuda.memory._dump_snapshot(str(directory / "memory_snapshot.pickle"))
 

@@ -1,0 +1,219 @@
+"""checkpoint.py without training: atomic save + manifest, verification, stale temporaries,
+rotation (keep_last + best), config compatibility, best metric, preemption guard, fault spec."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from accelerate import Accelerator
+
+from finetune import checkpoint as ckpt
+from finetune.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def prepared() -> tuple[Accelerator, torch.nn.Module, Any]:
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return accelerator, model, optimizer
+
+
+def _save(accelerator: Accelerator, run: Path, step: int, **kw: Any) -> Path:
+    progress = {"step": step, "epoch": 0, "batches_in_epoch": step}
+    return ckpt.save_checkpoint(accelerator, run, step, progress, {"config.yaml": "run: {}\n"}, **kw)
+
+
+def test_save_writes_a_manifest_of_every_file(prepared: Any, tmp_path: Path) -> None:
+    accelerator, model, _ = prepared
+    path = _save(accelerator, tmp_path, 7, write_extra=lambda d: (d / "extra.txt").write_text("x"))
+    assert path == tmp_path / "checkpoints" / "step_00000007"
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {ckpt.MANIFEST}
+    assert set(manifest["files"]) == on_disk
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "progress.json", "config.yaml", "extra.txt"} <= on_disk
+    assert ckpt.verify_checkpoint(path) is None
+    assert not any(p.name.startswith(ckpt.TMP_PREFIX) for p in path.parent.iterdir())
+
+
+def test_verify_detects_truncation_corruption_and_incomplete_writes(prepared: Any, tmp_path: Path) -> None:
+    accelerator, _, _ = prepared
+    path = _save(accelerator, tmp_path, 1)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-10])
+    assert "truncated" in ckpt.verify_checkpoint(path, deep=False)
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # same size, one bit pattern changed
+    assert ckpt.verify_checkpoint(path, deep=False) is None
+    assert "sha256" in ckpt.verify_checkpoint(path)
+    weights.write_bytes(data)
+    (path / ckpt.MANIFEST).unlink()
+    assert "no manifest" in ckpt.verify_checkpoint(path)
+
+
+def test_crash_in_save_leaves_only_a_temporary(prepared: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    accelerator, _, _ = prepared
+    good = _save(accelerator, tmp_path, 2)
+    monkeypatch.setenv(ckpt.FAULT_ENV, "crash_in_save:4")
+    with pytest.raises(ckpt.InjectedCrash):
+        _save(accelerator, tmp_path, 4)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [f"{ckpt.TMP_PREFIX}step_00000004", "step_00000002"]
+    assert ckpt.newest_valid_checkpoint(tmp_path) == good
+    removed = ckpt.cleanup_stale(tmp_path)
+    assert [p.name for p in removed] == [f"{ckpt.TMP_PREFIX}step_00000004"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
+
+
+def test_newest_valid_falls_back_with_a_warning(prepared: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    accelerator, _, _ = prepared
+    old = _save(accelerator, tmp_path, 3)
+    new = _save(accelerator, tmp_path, 6)
+    with open(new / "optimizer.bin", "r+b") as f:
+        f.truncate(5)
+    with caplog.at_level("WARNING", logger="finetune"):
+        assert ckpt.newest_valid_checkpoint(tmp_path) == old
+    assert f"skipping checkpoint {new}" in caplog.text
+    # saving that step again replaces the broken directory
+    again = _save(accelerator, tmp_path, 6)
+    assert again == new and ckpt.verify_checkpoint(new) is None
+
+
+def _fake_checkpoint(run: Path, step: int, metric: float | None, eval_step: int | None = None) -> Path:
+    """A complete checkpoint directory (progress + manifest) with an evaluation of `metric`."""
+    path = ckpt.checkpoint_dir(run, step)
+    path.mkdir(parents=True)
+    ev = {} if metric is None else {"accuracy": metric, "loss": 1 - metric, "step": step if eval_step is None else eval_step}
+    (path / ckpt.PROGRESS).write_text(json.dumps({"step": step, "eval": ev}))
+    size = (path / ckpt.PROGRESS).stat().st_size
+    (path / ckpt.MANIFEST).write_text(json.dumps({"step": step, "files": {ckpt.PROGRESS: {"size": size, "sha256": ckpt._sha256(path / ckpt.PROGRESS)}}}))
+    return path
+
+
+def test_rotation_keeps_exactly_keep_last_plus_best(tmp_path: Path) -> None:
+    accs = {1: 0.5, 2: 0.9, 3: 0.6, 4: 0.7, 5: 0.65, 6: None}
+    for step, acc in accs.items():
+        _fake_checkpoint(tmp_path, step, acc)
+    _fake_checkpoint(tmp_path, 7, 0.95, eval_step=6)  # a stale evaluation is not this checkpoint's own
+    deleted = ckpt.rotate(tmp_path, keep_last=2, metric="accuracy")
+    left = [int(p.name.split("_")[1]) for p in ckpt.list_checkpoints(tmp_path)]
+    assert left == [2, 6, 7]
+    assert sorted(int(p.name.split("_")[1]) for p in deleted) == [1, 3, 4, 5]
+    # lower is better for loss: the best by loss is the same checkpoint here (loss = 1 - accuracy)
+    assert ckpt.best_checkpoint(tmp_path, "loss") == ckpt.checkpoint_dir(tmp_path, 2)
+    # the best already among the last ones: exactly keep_last remain
+    ckpt.rotate(tmp_path, keep_last=1, metric="accuracy")
+    assert [int(p.name.split("_")[1]) for p in ckpt.list_checkpoints(tmp_path)] == [2, 7]
+    assert not any(p.name.startswith(ckpt.TRASH_PREFIX) for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_rotation_keeps_newer_incomplete_directories(tmp_path: Path) -> None:
+    _fake_checkpoint(tmp_path, 1, None)
+    _fake_checkpoint(tmp_path, 2, None)
+    broken = ckpt.checkpoint_dir(tmp_path, 3)
+    broken.mkdir()
+    ckpt.rotate(tmp_path, keep_last=1, metric="accuracy")
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+
+
+def test_best_and_early_stopping_counter() -> None:
+    best: dict[str, Any] = {}
+    assert ckpt.update_best(best, "accuracy", {"accuracy": 0.5}, 1)
+    assert not ckpt.update_best(best, "accuracy", {"accuracy": 0.5}, 2)  # equal is no improvement
+    assert not ckpt.update_best(best, "accuracy", {"accuracy": 0.4}, 3)
+    assert best == {"value": 0.5, "step": 1, "bad_evals": 2}
+    assert ckpt.update_best(best, "accuracy", {"accuracy": 0.6}, 4) and best["bad_evals"] == 0
+    low: dict[str, Any] = {}
+    ckpt.update_best(low, "loss", {"loss": 0.7}, 1)
+    assert ckpt.update_best(low, "loss", {"loss": 0.6}, 2) and not ckpt.update_best(low, "loss", {"loss": 0.65}, 3)
+    with pytest.raises(UserError, match="not an evaluation metric"):
+        ckpt.update_best({}, "acuracy", {"accuracy": 0.5}, 1)
+
+
+def _cfg(tmp_path: Path, **changes: Any) -> dict[str, Any]:
+    from finetune.config import validate_config
+
+    raw = {"run": {"output_dir": str(tmp_path / "run"), "seed": 1}, "data": {"train_file": "x.csv"}}
+    for key, value in changes.items():
+        section, name = key.split("__")
+        raw.setdefault(section, {})[name] = value
+    return validate_config(raw).model_dump(mode="json")
+
+
+def test_config_compatibility(tmp_path: Path) -> None:
+    base = _cfg(tmp_path)
+    assert ckpt.config_differences(base, _cfg(tmp_path, train__eval_every_steps=5, train__log_every_steps=1, checkpoint__every_steps=9, checkpoint__keep_last=5)) == []
+    assert ckpt.config_differences(base, _cfg(tmp_path, train__learning_rate=1e-3)) == ["train.learning_rate"]
+    assert ckpt.config_differences(base, _cfg(tmp_path, run__seed=2, data__max_length=64)) == ["data.max_length", "run.seed"]
+    assert ckpt.config_differences(base, _cfg(tmp_path, precision__mode="bf16")) == ["precision.mode"]
+    assert ckpt.config_differences(base, _cfg(tmp_path, model__architecture={"model_type": "bert"}, model__tokenizer="t")) == ["model.architecture", "model.tokenizer"]
+    # a checkpoint whose config lacks a key added later compares with the key's default
+    path = tmp_path / "ck"
+    path.mkdir()
+    saved = dict(base)
+    saved["train"] = {k: v for k, v in base["train"].items() if k != "early_stopping_patience"}
+    (path / "config.yaml").write_text(yaml.safe_dump(saved))
+    (path / ckpt.PROGRESS).write_text(json.dumps({"step": 1, "data_sha256": {"train": "aa"}}))
+    ckpt.check_compatible(path, base, {"train": "aa"})
+    with pytest.raises(UserError, match="train.gradient_accumulation_steps"):
+        ckpt.check_compatible(path, _cfg(tmp_path, train__gradient_accumulation_steps=4), {"train": "aa"})
+    with pytest.raises(UserError, match="train data file changed"):
+        ckpt.check_compatible(path, base, {"train": "bb"})
+
+
+def test_find_resume_checkpoint_auto(tmp_path: Path, prepared: Any) -> None:
+    run = tmp_path / "run"
+    cfg = _cfg(tmp_path)
+    assert ckpt.find_resume_checkpoint(None, run, cfg) is None
+    assert ckpt.find_resume_checkpoint("auto", run, cfg) is None  # nothing there yet: a fresh start
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "train.log").write_text("killed before the first checkpoint")
+    assert ckpt.find_resume_checkpoint("auto", run, cfg) is None  # this config's run: start again
+    with pytest.raises(UserError, match="holds no run of this config"):
+        ckpt.find_resume_checkpoint("auto", run, _cfg(tmp_path, train__learning_rate=1.0))
+    accelerator, _, _ = prepared
+    path = ckpt.save_checkpoint(accelerator, run, 5, {"step": 5}, {"config.yaml": yaml.safe_dump(cfg)})
+    assert ckpt.find_resume_checkpoint("auto", run, cfg) == path
+    assert ckpt.find_resume_checkpoint(str(path), tmp_path / "elsewhere", cfg) == path
+    (path / "progress.json").write_text("{}")
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        ckpt.find_resume_checkpoint(str(path), run, cfg)
+
+
+def test_trim_metrics(tmp_path: Path) -> None:
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    ckpt.trim_metrics(f, 3)
+    assert [json.loads(x)["step"] for x in f.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_preemption_guard_sets_a_flag_and_restores_handlers() -> None:
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with ckpt.PreemptionGuard() as guard:
+        assert guard.signal_name is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.signal_name == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM changes nothing
+        assert guard.signal_name == "SIGTERM"
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    err = ckpt.Preempted("SIGINT", 3, Path("x"))
+    assert err.exit_code == 130 and ckpt.Preempted("SIGTERM", 3, Path("x")).exit_code == 143
+
+
+def test_fault_spec_and_resume_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ckpt.FAULT_ENV, "sigterm_at_step:3, crash_in_save:8")
+    assert ckpt.fault("sigterm_at_step", 3) and ckpt.fault("crash_in_save", 8)
+    assert not ckpt.fault("sigterm_at_step", 8) and not ckpt.fault("sigterm_at_batch", 3)
+    hint = ckpt.resume_hint("finetune train", "c.yaml", ["train.epochs=2", "run.overwrite=true", "checkpoint.resume=null"])
+    assert hint == "finetune train --config c.yaml train.epochs=2 checkpoint.resume=auto"
