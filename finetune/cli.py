@@ -1,4 +1,4 @@
-"""`finetune train | evaluate | predict`: thin argument parsing around the modules."""
+"""`finetune train | plan | evaluate | predict`: thin argument parsing around the modules."""
 
 from __future__ import annotations
 
@@ -16,6 +16,38 @@ def _cmd_train(argv: list[str]) -> int:
     from finetune.train import main as train_main
 
     return train_main(argv, prog="finetune train")
+
+
+def _cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune plan",
+        description="Predict the peak memory of a training step for a ladder of micro-batch sizes (fake tensors: nothing is allocated).",
+    )
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. precision.mode=bf16")
+    parser.add_argument("--budget-gb", type=float, default=None, help="memory budget in GiB (2^30 bytes); default memory.budget_gb")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="device to plan for (default: this machine's accelerator)")
+    parser.add_argument("--num-processes", type=int, default=1, help="processes sharing the effective batch (default 1)")
+    parser.add_argument("--micro", type=int, nargs="+", default=None, help="micro-batch sizes to plan (default: the divisors ladder up to the effective batch)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    from finetune.config import load_config
+    from finetune.planner import effective_batch, format_plan, plan, plan_json
+
+    cfg = load_config(args.config, args.overrides)
+    if args.budget_gb is not None and args.budget_gb <= 0:
+        raise UserError("--budget-gb must be positive")
+    if cfg.train.micro_batch_size == "auto" or cfg.train.batch_size is not None:
+        from finetune.planner import resolve_batch
+
+        resolve_batch(cfg, args.num_processes)  # batch_size, micro-batch and accumulation must agree
+    per_process = effective_batch(cfg, args.num_processes) // args.num_processes
+    bad = [m for m in args.micro or [] if m < 1 or per_process % m]
+    if bad:
+        raise UserError(f"--micro {bad}: a micro-batch must divide the {per_process} samples per process of the effective batch")
+    p = plan(cfg, args.device, args.budget_gb, args.micro, args.num_processes)
+    print(plan_json(p) if args.json else format_plan(p, cfg))
+    return 0
 
 
 def _load_classifier(model_dir: str) -> tuple[Any, Any]:
@@ -143,7 +175,7 @@ def _cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "evaluate": _cmd_evaluate, "predict": _cmd_predict, "report": _cmd_report}
+COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "evaluate": _cmd_evaluate, "predict": _cmd_predict, "report": _cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,8 @@ from finetune.data import (
 )
 from finetune.errors import UserError
 from finetune.metrics import classification_metrics, plot_curves
-from finetune.model import build_model, build_tokenizer, count_parameters
+from finetune.model import build_model, build_tokenizer, count_parameters, exportable
+from finetune.planner import OutOfMemoryGuard, resolve_micro_batch
 from finetune.precision import (
     Bf16AdamW,
     PrecisionMonitor,
@@ -136,11 +137,36 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
     t = cfg.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
-    if t.optimizer != "adamw":
-        raise UserError(f"train.optimizer={t.optimizer} is not available yet")
+    if t.optimizer == "adafactor":
+        # factored second moment, no first moment (beta1=None): state ~ rows + columns per matrix;
+        # a fixed learning rate (no relative step / parameter scaling) so the scheduler drives it
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=t.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
+    if t.optimizer == "adamw8bit":
+        return build_adamw8bit(cfg, groups)
     if cfg.precision.mode == "bf16-true":  # bf16 weights: an update that keeps small steps (precision.bf16_update)
         return Bf16AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, update=cfg.precision.bf16_update)
     return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
+def build_adamw8bit(cfg: Config, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """bitsandbytes' 8-bit AdamW (block-quantized moments): CUDA only, bitsandbytes optional."""
+    t = cfg.train
+    if not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        raise UserError("train.optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit kernels); on CPU use adamw or adafactor")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise UserError("train.optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
+    return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
+def rebuild_train_loader(accelerator: Accelerator, data: "Data", tokenizer: Any, cfg: Config, micro: int, G: int) -> tuple[Any, Any]:
+    """A prepared training loader at another micro-batch size; its windows hold the same samples."""
+    loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, accelerator.num_processes)
+    accelerator.gradient_accumulation_steps = G
+    return accelerator.prepare(loader), sampler
 
 
 def planned_steps(cfg: Config, windows_per_epoch: int) -> tuple[int, int]:
@@ -249,8 +275,10 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
     check_audit(audit, prec.allow_dtype_mismatch)
     if cfg.model.compile:
         compile_model(model, cfg.model.compile_backend, cfg.model.compile_mode, cfg.model.compile_dynamic)
-    P, G = accelerator.num_processes, cfg.train.gradient_accumulation_steps
-    micro = int(cfg.train.micro_batch_size)
+    P = accelerator.num_processes
+    # micro-batch x accumulation: explicit, derived from train.batch_size, or planned (auto)
+    micro, G = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
+    accelerator.gradient_accumulation_steps = G
     train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P)
     # eval batches are global too (split_batches=True): micro * 2 rows per process
     eval_loader = build_eval_loader(data.validation, tokenizer, micro * 2 * P) if data.validation is not None else None
@@ -301,6 +329,11 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
     if resume_from is not None:
         progress = ckpt.load_checkpoint(accelerator, resume_from)
         step, epoch, batches_done = progress["step"], progress["epoch"], progress["batches_in_epoch"]
+        if (progress.get("micro_batch_size", micro), progress.get("gradient_accumulation_steps", G)) != (micro, G):
+            # an out-of-memory retry shrank the micro-batch: keep it (batches_in_epoch counts in it)
+            micro, G = progress["micro_batch_size"], progress["gradient_accumulation_steps"]
+            train_loader, sampler = rebuild_train_loader(accelerator, data, tokenizer, cfg, micro, G)
+            logger.info(f"resuming with micro-batch {micro} x accumulation {G} (chosen after an out-of-memory error)")
         last_eval = progress.get("eval", {})
         best, finished = progress.get("best", {}), progress.get("finished", False)
         samples_seen = progress.get("samples_seen", 0) - progress.get("log_sums", [0, 0])[1]
@@ -331,7 +364,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
         log_sums = accelerator.reduce(torch.stack([loss_sum, samples, real_tokens, total_tokens]), "sum").tolist()
         e, b = (epoch + 1, 0) if batches_done >= len(train_loader) else (epoch, batches_done)
         return {"step": step, "epoch": e, "batches_in_epoch": b, "samples_seen": int(samples_seen + log_sums[1]),
-                "data_seed": cfg.run.seed, "best_metric": cfg.checkpoint.best_metric, "best": best, "finished": finished,
+                "data_seed": cfg.run.seed, "micro_batch_size": micro, "gradient_accumulation_steps": G, "best_metric": cfg.checkpoint.best_metric, "best": best, "finished": finished,
                 "eval": last_eval, "log_sums": log_sums, "data_sha256": data_sha256}
 
     def save(at_step: int) -> Path:
@@ -341,6 +374,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                              "dtype_audit.json": audit_json(dtype_audit(accelerator.unwrap_model(model), prec.mode, prec.fp32_norms, norm_names=norm_names))})
 
     memmon.begin_sample(step)  # a resumed run samples its first window (the optimizer state exists)
+    oom = OutOfMemoryGuard()
     model.train()
     while step < total_steps and epoch < num_epochs and not finished:
         loader = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
@@ -354,7 +388,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             labels = batch.pop("labels")
             weight = batch.pop("sample_weight")
             window_samples = batch.pop("window_samples")
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model), oom:
+                oom.maybe_inject(step + 1, (batches_done - 1) % G, G)
                 logits = model(**batch).logits
                 per_sample = monitor.inject(fp32_cross_entropy(logits, labels) * weight, step + 1)
                 # Exact accumulation: sum over the window's true sample count (short tail window and
@@ -379,6 +414,16 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                             samples += win_samples
                     optimizer.zero_grad(set_to_none=True)
                     win_loss.zero_(), win_samples.zero_()
+            if oom.hit:  # out of memory: halve the micro-batch, double the accumulation, redo this window
+                logits = per_sample = loss = None
+                model.zero_grad(set_to_none=True)  # drop the window's partial gradients
+                win_loss.zero_(), win_samples.zero_()
+                micro, G, batches_done = oom.shrink(micro, G, batches_done)
+                if hasattr(loader, "end"):
+                    loader.end()  # leave Accelerate's end-of-dataloader tracking to the new loader
+                train_loader, sampler = rebuild_train_loader(accelerator, data, tokenizer, cfg, micro, G)
+                accelerator.step = 0
+                break
             if not accelerator.sync_gradients:
                 continue
 
@@ -438,6 +483,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             epoch, batches_done = epoch + 1, 0
             release_cached_memory(prec.empty_cache, accelerator.device)
             continue
+        if oom.hit:
+            continue  # the same epoch, from the failed window, at the smaller micro-batch
         break
     bar.close()
 
@@ -483,6 +530,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
 def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
     """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline)."""
     accelerator.wait_for_everyone()
+    # LoRA: merge the adapters into the base weights so final/ loads without peft
+    model = exportable(accelerator.unwrap_model(model)) if hasattr(accelerator.unwrap_model(model), "merge_and_unload") else model
     # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the full state dict is a collective
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
