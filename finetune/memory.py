@@ -216,7 +216,8 @@ class MemoryMonitor:
         snap = mt.get_tracker_snapshot("peak")
         dev = next((d for d in snap if torch.device(d).type == self.device.type), None)
         peak = snap.get(dev, {}) if dev is not None else {}
-        self.sample = {"step": self._sample_step, "peak": {str(k): int(v) for k, v in peak.items()}}
+        # keys are _MemRefType members ("Parameter", "Activation", ...) and the string "Total"
+        self.sample = {"step": self._sample_step, "peak": {getattr(k, "value", str(k)): int(v) for k, v in peak.items()}}
 
     # -- the report ----------------------------------------------------------------------------
 

@@ -1,0 +1,112 @@
+"""memory.py: exact tensor sums, the MemTracker sample (frozen parameters included), and the
+report in every checkpoint of a real tiny run, checked against the checkpoint's own tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import write_tiny_config
+from safetensors.torch import load_file
+
+from finetune import checkpoint as ckpt
+from finetune import memory as mem
+from finetune.cli import main as cli_main
+from finetune.train import main as train_main
+
+
+def _nbytes(tensors: object) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)  # type: ignore[attr-defined]
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 64)
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        self.head = torch.nn.Linear(64, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)).mean(1))
+
+
+def _window(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: int = 2) -> None:
+    for _ in range(micro_batches):
+        model(torch.randint(0, 50, (32, 48))).logsumexp(-1).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("freeze_embeddings", [False, True])
+def test_monitor_sums_tensors_and_samples_a_step(freeze_embeddings: bool) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    if freeze_embeddings:  # MemTracker alone raises on frozen parameters (DESIGN.md)
+        model.embed.weight.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    monitor = mem.MemoryMonitor(torch.device("cpu"), model, optimizer, {"precision": "fp32"})
+    monitor.begin_sample(0)  # before the first step: not sampled (no optimizer state yet)
+    _window(model, optimizer)
+    monitor.end_sample()
+    assert monitor.sample is None
+    monitor.begin_sample(1)
+    _window(model, optimizer)  # two forwards in one tracked window
+    monitor.end_sample()
+    rep = monitor.report(2)
+    assert rep["parameters_bytes"] == _nbytes(model.parameters())
+    assert rep["gradients_bytes"] == _nbytes(trainable)  # read from the .grad tensors after step 1
+    opt_tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert rep["optimizer_state_bytes"] == _nbytes(opt_tensors) > 2 * _nbytes(trainable)
+    assert rep["breakdown_method"].startswith("MemTracker on optimizer step 2")
+    peak = rep["memtracker_peak"]
+    assert peak["Parameter"] == rep["parameters_bytes"]
+    assert rep["peak_bytes"] == peak["Total"] >= rep["parameters_bytes"] + rep["optimizer_state_bytes"]
+    assert rep["activations_bytes"] > 0  # 2 x 32 x 48 x 256 floats of activations at the backward peak
+    assert rep["cpu"]["peak_rss_bytes"] > 0 and rep["cuda"] is None
+    for key in mem.REPORT_KEYS:
+        assert isinstance(rep[key], int)
+
+
+def test_report_without_a_sample_says_so() -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rep = mem.MemoryMonitor(torch.device("cpu"), model, optimizer, {}).report(0)
+    assert rep["peak_bytes"] is None and rep["breakdown_method"].startswith("none")
+    assert rep["gradients_bytes"] == _nbytes(model.parameters()) and "no optimizer step" in rep["gradients_source"]
+    assert rep["optimizer_state_bytes"] == 0
+    assert "| parameters |" in mem.format_markdown(rep)
+
+
+def test_every_checkpoint_has_a_memory_report(tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = write_tiny_config(tmp_path, {"data.max_train_samples": 96, "data.max_eval_samples": 32, "train.log_every_steps": 1, "checkpoint.every_steps": 1, "checkpoint.keep_last": 5})
+    assert train_main(["--config", str(cfg)]) == 0
+    run = tmp_path / "run"
+    checkpoints = ckpt.list_checkpoints(run)
+    assert [p.name for p in checkpoints] == ["step_00000001", "step_00000002", "step_00000003"]
+    for path in checkpoints:
+        assert ckpt.verify_checkpoint(path) is None
+        rep = json.loads((path / "memory.json").read_text())
+        assert (path / "memory.md").is_file()
+        for key in mem.REPORT_KEYS:
+            assert key in rep
+        assert rep["config"]["micro_batch_size"] == 16 and rep["config"]["gradient_accumulation_steps"] == 2
+        weights = load_file(path / "model.safetensors")
+        assert rep["parameters_bytes"] == _nbytes(weights.values())
+        assert rep["gradients_bytes"] == _nbytes(weights.values())  # everything trainable, fp32 grads
+        optim = torch.load(path / "optimizer.bin", weights_only=True)
+        assert rep["optimizer_state_bytes"] == _nbytes(v for s in optim["state"].values() for v in s.values() if isinstance(v, torch.Tensor))
+    # step 1 is before the sampled step; the sample (step 2) is then in every later report
+    assert json.loads((checkpoints[0] / "memory.json").read_text())["peak_bytes"] is None
+    last = json.loads((checkpoints[-1] / "memory.json").read_text())
+    assert last["breakdown_method"].startswith("MemTracker on optimizer step 2") and last["peak_bytes"] > 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["peak_memory_bytes"] > 0 for r in rows if "loss" in r)
+    assert (run / "memory.png").is_file()
+    capsys.readouterr()
+    assert cli_main(["report", str(run)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[:3] == ["step", "peak", "params"]
+    assert [line.split()[0] for line in table[3:]] == ["1", "2", "3"]
