@@ -1,0 +1,107 @@
+"""Model building: frozen embeddings, LoRA through peft (head in full, merged export), optimizers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from finetune.config import load_config
+from finetune.errors import UserError
+from finetune.model import build_model, build_tokenizer, exportable
+
+from conftest import TINY
+
+NAMES = ["negative", "positive"]
+
+
+def _model(*overrides: str) -> tuple[Any, Any]:
+    cfg = load_config(TINY, list(overrides))
+    tok = build_tokenizer(cfg)
+    torch.manual_seed(0)
+    return build_model(cfg, NAMES, tok), tok
+
+
+def _batch(tok: Any) -> dict[str, torch.Tensor]:
+    return dict(tok(["a fine film", "dull and far too long for what it is"], padding=True, return_tensors="pt"))
+
+
+def test_freeze_embeddings_with_checkpointing_still_trains_the_encoder() -> None:
+    model, tok = _model("model.freeze_embeddings=true", "model.gradient_checkpointing=true")
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith("bert.embeddings.") for n in frozen)
+    assert {n for n, _ in model.named_parameters() if n.startswith("bert.embeddings.")} == frozen
+    model.train()
+    out = model(**_batch(tok), labels=torch.tensor([1, 0]))
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "layer.0." in n and "weight" in n)
+    assert all(p.grad is None for n, p in model.named_parameters() if n in frozen)
+
+
+def test_lora_trains_adapters_and_the_full_head_and_exports_merged(tmp_path: Path) -> None:
+    model, tok = _model("model.lora={r: 4, alpha: 8, target_modules: [query, value]}")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trainable) and any("lora_B" in n for n in trainable)
+    assert any("classifier" in n and "modules_to_save" in n for n in trainable)  # the head, in full
+    assert not any(("query" in n or "value" in n) and "base_layer" in n for n in trainable)
+    assert not any("key" in n or "embeddings" in n for n in trainable)
+    # make the adapters do something, then merge: same outputs, plain transformers weights
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    batch = _batch(tok)
+    with torch.no_grad():
+        want = model(**batch).logits
+    merged = exportable(model)
+    assert not any("lora" in k or "modules_to_save" in k or "base_layer" in k for k in merged.state_dict())
+    merged.save_pretrained(tmp_path / "final")
+    tok.save_pretrained(tmp_path / "final")
+    from transformers import AutoModelForSequenceClassification
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final").eval()
+    with torch.no_grad():
+        got = loaded(**batch).logits
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_lora_bad_target_module_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="target_modules"):
+        _model("model.lora={target_modules: [q_proj]}")
+
+
+def test_optimizer_choices() -> None:
+    from transformers.optimization import Adafactor
+
+    from finetune.train import build_optimizer
+
+    model, tok = _model()
+    assert isinstance(build_optimizer(load_config(TINY, ["train.optimizer=adafactor"]), model), Adafactor)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="adamw8bit needs a CUDA GPU"):
+            build_optimizer(load_config(TINY, ["train.optimizer=adamw8bit"]), model)
+    # Adafactor steps the weights (a fixed learning rate: no relative step)
+    opt = build_optimizer(load_config(TINY, ["train.optimizer=adafactor", "train.learning_rate=1e-2"]), model)
+    before = model.classifier.weight.detach().clone()
+    model(**_batch(tok), labels=torch.tensor([1, 0])).loss.backward()
+    opt.step()
+    assert not torch.equal(before, model.classifier.weight)
+
+
+def test_lora_run_end_to_end_loads_in_a_pipeline(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
+    from transformers import pipeline
+
+    from finetune.train import main
+
+    cfg = tiny_config({"model.lora": {"r": 4}, "model.gradient_checkpointing": True, "data.max_train_samples": 64, "data.max_eval_samples": 16})
+    assert main(["--config", str(cfg)]) == 0
+    final = tmp_path / "run" / "final"
+    import safetensors.torch as st
+
+    assert not any("lora" in k for k in st.load_file(str(final / "model.safetensors")))
+    out = pipeline("text-classification", model=str(final))("a great movie")
+    assert out[0]["label"] in NAMES
