@@ -1,11 +1,44 @@
-"""Precision policy: which Accelerate mixed-precision mode a config maps to, and the fp32 loss."""
+"""Precision policy: modes, fp32 norms, fp32 loss, bf16 optimizer updates, dtype audit,
+non-finite handling and torch.compile.
+
+Modes (`precision.mode`):
+- `fp32`: everything fp32.
+- `fp16` / `bf16`: Accelerate mixed precision (fp32 master weights, autocast around the model's
+  forward, a GradScaler for fp16).
+- `bf16-true`: weights, gradients and optimizer state in bf16, no autocast. What that breaks
+  is fixed here explicitly: norm modules are kept in fp32 (`apply_precision_policy`), the loss
+  is computed from fp32 logits (`fp32_cross_entropy`), and the optimizer does not round small
+  updates away (`Bf16AdamW` with Kahan compensation or stochastic rounding).
+
+See docs/PRECISION.md for why each fix exists and how it was measured.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import os
+import types
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from finetune.errors import UserError
+
+logger = logging.getLogger("finetune")
+
+# Set to an optimizer step number (1-based) to plant an inf loss in that step's window: the
+# fault-injection hook tests and scripts use to exercise `train.nonfinite`.
+FAULT_ENV = "FINETUNE_FAULT_NONFINITE_STEP"
+
+
+# ----------------------------------------------------------------------------------------------
+# Modes.
 
 
 def accelerate_mixed_precision(mode: str) -> str:
@@ -21,6 +54,468 @@ def check_supported(mode: str, device: torch.device) -> None:
         raise UserError(f"precision.mode={mode}: this GPU has no bf16 support; use fp16 or fp32")
 
 
+def fp32_norms_enabled(mode: str, fp32_norms: bool | None) -> bool:
+    """`precision.fp32_norms`, resolved: unset means on for bf16-true and off otherwise
+    (mixed modes already hold fp32 norm weights, and CUDA autocast runs norms in fp32)."""
+    return mode == "bf16-true" if fp32_norms is None else fp32_norms
+
+
 def fp32_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-sample cross-entropy computed in fp32 from upcast logits (F.cross_entropy has no dtype=)."""
     return F.cross_entropy(logits.float(), labels, reduction="none")
+
+
+# ----------------------------------------------------------------------------------------------
+# fp32 norms.
+
+# Matched by type; subclasses (BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm*) included.
+NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+# Matched by class name: models define their own norms (LlamaRMSNorm, T5LayerNorm, ...).
+NORM_NAME_SUFFIXES = ("RMSNorm", "LayerNorm", "GroupNorm", "BatchNorm")
+
+
+def is_norm_module(module: nn.Module, extra_class_names: Iterable[str] = ()) -> bool:
+    """A normalization layer: by type, by class-name suffix, or named in `precision.norm_class_names`."""
+    name = type(module).__name__
+    return isinstance(module, NORM_TYPES) or name.endswith(NORM_NAME_SUFFIXES) or name in set(extra_class_names)
+
+
+def within(name: str, roots: Iterable[str]) -> bool:
+    """Whether module `name` is one of `roots` or inside one ("" is the whole model)."""
+    return any(name == r or r == "" or name.startswith(r + ".") for r in roots)
+
+
+def find_norm_modules(model: nn.Module, extra_class_names: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """Norm modules by qualified name (outermost only: a norm's children go with it)."""
+    extra = set(extra_class_names)
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if within(name, found):
+            continue
+        if is_norm_module(module, extra):
+            found[name] = module
+    return found
+
+
+def _cast_tensors(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_tensors(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_tensors(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_tensors(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _fp32_norm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Run a norm on fp32 inputs with autocast off; return the caller's floating dtype."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    if first is None:
+        return self._fp32_inner_forward(*args, **kwargs)
+    with torch.autocast(device_type=first.device.type, enabled=False):
+        out = self._fp32_inner_forward(*_cast_tensors(args, torch.float32), **_cast_tensors(kwargs, torch.float32))
+    return _cast_tensors(out, first.dtype)
+
+
+def keep_norm_fp32(module: nn.Module) -> None:
+    """Put a norm module's parameters and buffers in fp32 and make it compute in fp32.
+
+    The forward is replaced on the instance (as Accelerate does for autocast), so the state_dict
+    keys stay the same, `copy.deepcopy` rebinds it to the copy, and torch.compile traces through.
+    """
+    module.float()
+    if getattr(module, "_fp32_norm", False):
+        return
+    module._fp32_inner_forward = module.forward  # the class's forward, or whatever was patched in before
+    module.forward = types.MethodType(_fp32_norm_forward, module)
+    module._fp32_norm = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Applying the policy.
+
+
+def strip_compile_prefix_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook: accept checkpoints written through a `torch.compile(model)`
+    wrapper, whose keys start with `_orig_mod.` (torch's own helper edits the dict in place)."""
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, prefix + "_orig_mod.")
+
+
+def apply_precision_policy(model: nn.Module, mode: str, fp32_norms: bool | None, norm_class_names: Iterable[str] = ()) -> list[str]:
+    """Cast the model for `mode` and keep norms fp32 when enabled; return the fp32 norm names.
+
+    Call after building the model (gradient checkpointing included) and before the optimizer
+    and torch.compile. Also makes `load_state_dict` accept `_orig_mod.`-prefixed keys.
+    """
+    norms = find_norm_modules(model, norm_class_names) if fp32_norms_enabled(mode, fp32_norms) else {}
+    if mode == "bf16-true":
+        # cast everything outside the norms (not all, then norms back: that would round their weights)
+        for name, module in model.named_modules():
+            if within(name, norms):
+                continue
+            for p in module.parameters(recurse=False):
+                if p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+            for bname, b in module.named_buffers(recurse=False):
+                if b is not None and b.is_floating_point():
+                    setattr(module, bname, b.to(torch.bfloat16))
+    for module in norms.values():
+        keep_norm_fp32(module)
+    if not getattr(model, "_strips_compile_prefix", False):
+        model.register_load_state_dict_pre_hook(strip_compile_prefix_hook)
+        model._strips_compile_prefix = True
+    return list(norms)
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 optimizer update.
+
+
+def stochastic_round_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Write fp32 `src` into bf16 `dst` rounding up or down with probability proportional to the
+    distance (unbiased: small updates survive in expectation). Adds 16 random low bits to the
+    fp32 bit pattern, then truncates them; sign-magnitude makes this symmetric for negatives."""
+    bits = src.view(torch.int32)
+    noise = torch.randint_like(bits, 0, 1 << 16)
+    dst.copy_(((bits + noise) & -65536).view(torch.float32))  # -65536 == 0xFFFF0000: exact in bf16
+    return dst
+
+
+class Bf16AdamW(torch.optim.Optimizer):
+    """AdamW for bf16 parameters whose small updates are not rounded away.
+
+    Math runs in fp32 per tensor; parameters and state stay in their own dtype (bf16 in
+    bf16-true). `update` decides how the fp32 result goes back into a bf16 parameter:
+    - `kahan`: round to nearest and keep the rounding error in a bf16 compensation buffer that is
+      added to the next update (optimi / Zamirai et al. 2020); +2 bytes per parameter.
+    - `stochastic`: stochastic rounding (unbiased), no extra memory.
+    - `plain`: round to nearest, what torch.optim.AdamW on bf16 weights does (loses steps).
+    With `kahan` and `stochastic` the bf16 moments are written back by stochastic rounding: with
+    round-to-nearest `exp_avg_sq * 0.999` rounds back to itself in bf16 (8-bit mantissa), so the
+    second moment would stop decaying. fp32 parameters take the exact fp32 path.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        update: str = "kahan",
+    ) -> None:
+        if update not in ("kahan", "stochastic", "plain"):
+            raise ValueError(f"update must be kahan, stochastic or plain, not {update!r}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "update": update})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One AdamW step (decoupled weight decay, bias-corrected moments)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd, update = group["lr"], group["eps"], group["weight_decay"], group["update"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Bf16AdamW does not support sparse gradients")
+                low = p.dtype != torch.float32
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)  # on CPU: no device sync
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if low and update == "kahan":
+                        state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = float(state["step"])
+                grad = p.grad.float()
+                m = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                for buf, val in ((state["exp_avg"], m), (state["exp_avg_sq"], v)):
+                    if buf.dtype == torch.bfloat16 and update != "plain":
+                        stochastic_round_(buf, val)
+                    else:
+                        buf.copy_(val)
+                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)  # v may alias fp32 state
+                p32 = p.float()
+                # the update in fp32: decoupled weight decay plus the Adam step
+                delta = (m / denom).mul_(-lr / (1 - beta1**t)).add_(p32, alpha=-lr * wd)
+                if not low:
+                    p.add_(delta)
+                elif update == "kahan":
+                    comp = state["kahan_comp"]
+                    delta.add_(comp)  # what is owed from earlier roundings
+                    p.copy_(p32 + delta)
+                    comp.copy_(delta.sub_(p.float() - p32))  # intended minus applied
+                elif update == "stochastic" and p.dtype == torch.bfloat16:
+                    stochastic_round_(p, p32.add_(delta))
+                else:
+                    p.copy_(p32.add_(delta))
+        return loss
+
+
+def effective_weight(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The value a parameter stands for: the bf16 weight plus its Kahan compensation, in fp32."""
+    comp = optimizer.state.get(p, {}).get("kahan_comp")
+    return p.float() if comp is None else p.float() + comp.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# dtype audit.
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_audit(
+    model: nn.Module, mode: str, fp32_norms: bool | None, norm_class_names: Iterable[str] = (), *, norm_names: Iterable[str] | None = None
+) -> dict[str, Any]:
+    """Parameter and buffer counts/bytes per dtype and per module type, and every floating
+    tensor whose dtype contradicts the policy (fp32 master weights in fp32/fp16/bf16; in
+    bf16-true bf16 everywhere except norms, which are fp32 when fp32 norms are on)."""
+    keep_fp32 = fp32_norms_enabled(mode, fp32_norms)
+    norms = set(norm_names) if norm_names is not None else set(find_norm_modules(model, norm_class_names))
+    totals: dict[str, dict[str, dict[str, int]]] = {"param": {}, "buffer": {}}
+    by_type: dict[str, dict[str, dict[str, int]]] = {}
+    contradictions: list[dict[str, str]] = []
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        in_norm = within(mod_name, norms)
+        mtype = type(module).__name__
+        tensors = [("param", n, t) for n, t in module.named_parameters(recurse=False)]
+        tensors += [("buffer", n, t) for n, t in module.named_buffers(recurse=False)]
+        for kind, name, t in tensors:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            dname = _dtype_name(t.dtype)
+            for bucket in (totals[kind].setdefault(dname, {"count": 0, "numel": 0, "bytes": 0}),
+                           by_type.setdefault(mtype, {}).setdefault(f"{kind}:{dname}", {"count": 0, "numel": 0, "bytes": 0})):
+                bucket["count"] += 1
+                bucket["numel"] += t.numel()
+                bucket["bytes"] += t.numel() * t.element_size()
+            if not t.is_floating_point():
+                continue  # position ids, num_batches_tracked: integer by design
+            if mode != "bf16-true":
+                expected = torch.float32
+            else:
+                expected = torch.float32 if (in_norm and keep_fp32) else torch.bfloat16
+            if t.dtype != expected:
+                full = f"{mod_name}.{name}" if mod_name else name
+                contradictions.append({"name": full, "kind": kind, "module_type": mtype, "dtype": dname, "expected": _dtype_name(expected)})
+    return {
+        "mode": mode,
+        "fp32_norms": keep_fp32,
+        "norm_modules": sorted(norms),
+        "totals": totals,
+        "by_module_type": by_type,
+        "contradictions": contradictions,
+    }
+
+
+def format_audit(audit: dict[str, Any], max_rows: int = 10) -> str:
+    """A short log table: per dtype counts and MiB, then the contradictions."""
+    lines = [f"dtype audit ({audit['mode']}, fp32 norms {'on' if audit['fp32_norms'] else 'off'}, {len(audit['norm_modules'])} norm modules):"]
+    lines.append(f"  {'kind':<7} {'dtype':<10} {'tensors':>8} {'elements':>12} {'MiB':>9}")
+    for kind in ("param", "buffer"):
+        for dname, b in sorted(audit["totals"][kind].items()):
+            lines.append(f"  {kind:<7} {dname:<10} {b['count']:>8} {b['numel']:>12,} {b['bytes'] / 2**20:>9.2f}")
+    rows = audit["contradictions"]
+    if rows:
+        lines.append(f"  {len(rows)} tensor(s) contradict the policy:")
+        for r in rows[:max_rows]:
+            lines.append(f"    {r['kind']} {r['name']} ({r['module_type']}): {r['dtype']}, expected {r['expected']}")
+        if len(rows) > max_rows:
+            lines.append(f"    ... and {len(rows) - max_rows} more (dtype_audit.json)")
+    else:
+        lines.append("  no tensor contradicts the policy")
+    return "\n".join(lines)
+
+
+def check_audit(audit: dict[str, Any], allow_mismatch: bool) -> None:
+    """In bf16-true a dtype contradiction is an error unless `precision.allow_dtype_mismatch`."""
+    rows = audit["contradictions"]
+    if not rows:
+        return
+    names = ", ".join(f"{r['name']} ({r['dtype']}, expected {r['expected']})" for r in rows[:3])
+    more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
+    if audit["mode"] == "bf16-true" and not allow_mismatch:
+        raise UserError(
+            f"precision.mode=bf16-true: {len(rows)} tensor(s) contradict the dtype policy: {names}{more}; "
+            "list custom norm classes in precision.norm_class_names or set precision.allow_dtype_mismatch=true"
+        )
+    logger.warning(f"warning: {len(rows)} tensor(s) contradict the dtype policy: {names}{more}")
+
+
+def audit_json(audit: dict[str, Any]) -> str:
+    """`dtype_audit.json` text."""
+    return json.dumps(audit, indent=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile.
+
+
+class _RecompileLimitLog(logging.Handler):
+    """Counts dynamo's 'hit config.recompile_limit' warnings: past the limit dynamo silently runs
+    the frame eagerly, and it keeps no counter of its own for that."""
+
+    hits = 0
+    graphs_at_compile = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config."):
+            type(self).hits += 1
+
+
+def _install_recompile_watch() -> None:
+    log = logging.getLogger("torch._dynamo.convert_frame")
+    if not any(isinstance(h, _RecompileLimitLog) for h in log.handlers):
+        log.addHandler(_RecompileLimitLog())
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo compiled since the last `compile_model` (its counters outlive `reset()`)."""
+    return _unique_graphs() - _RecompileLimitLog.graphs_at_compile
+
+
+def compile_model(model: nn.Module, backend: str = "inductor", mode: str | None = None, dynamic: bool | None = None) -> None:
+    """Compile in place (`module.compile()`: state_dict keys stay free of `_orig_mod.`).
+
+    Call after `apply_precision_policy` and gradient checkpointing. Accelerate's autocast wraps
+    `model.forward`, which the compiled `_call_impl` calls, so autocast is inside the compiled
+    region. `dynamic=None` (default): the first new sequence length marks the length dynamic,
+    so an epoch of length-grouped batches compiles a handful of graphs instead of one per length
+    (which would pass `recompile_limit` and fall back to eager).
+    """
+    import torch._dynamo
+
+    torch._dynamo.reset()  # caches of an earlier run in this process would count toward this run's limit
+    _install_recompile_watch()
+    _RecompileLimitLog.hits = 0
+    _RecompileLimitLog.graphs_at_compile = _unique_graphs()
+    kwargs: dict[str, Any] = {"backend": backend, "dynamic": dynamic}
+    if mode is not None:
+        kwargs["mode"] = mode
+    model.compile(**kwargs)
+
+
+def recompile_limit_hits() -> int:
+    """How often dynamo hit a recompile limit since `compile_model` (each falls back to eager)."""
+    return _RecompileLimitLog.hits
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-finite values, loss scale, cache release: what the loop asks at sync and log steps.
+
+
+class NonFiniteError(UserError):
+    """Training met a NaN/inf loss or gradient norm with `train.nonfinite=stop`."""
+
+
+class PrecisionMonitor:
+    """Run-time side of the policy, asked by the loop at optimizer (sync) steps only.
+
+    - `step_ok(grad_norm, window_loss, step)`: one host sync per optimizer step. fp16 defers to
+      the GradScaler (it skips overflowing steps and lowers the scale); other modes stop with a
+      NonFiniteError (`train.nonfinite=stop`) or skip the step (`skip`).
+    - `after_step(skipped)`: counts scaler-skipped fp16 steps.
+    - `fields()`: what every metrics.jsonl line gets (compile_graphs, loss_scale, skip counts).
+    """
+
+    def __init__(self, mode: str, nonfinite: str, scaler: Any = None, compiled: bool = False, num_processes: int = 1,
+                 run_dir: Path | None = None) -> None:
+        self.mode, self.nonfinite, self.scaler, self.compiled = mode, nonfinite, scaler, compiled
+        self.num_processes, self.run_dir = num_processes, run_dir
+        self.scaler_skipped = 0
+        self.nonfinite_skipped = 0
+        self._limit_reported = False
+        fault = os.environ.get(FAULT_ENV)
+        self.fault_step = int(fault) if fault else None
+
+    @property
+    def checks_grads(self) -> bool:
+        """Whether the loop must compute the gradient norm even without clipping."""
+        return self.mode != "fp16"
+
+    def inject(self, per_sample: torch.Tensor, step: int) -> torch.Tensor:
+        """Fault injection: an inf loss in optimizer step `FINETUNE_FAULT_NONFINITE_STEP`."""
+        return per_sample * math.inf if self.fault_step == step else per_sample
+
+    def step_ok(self, grad_norm: torch.Tensor | float | None, window_loss: torch.Tensor, step: int) -> bool:
+        """True to apply this optimizer step; False to skip it; raises NonFiniteError to stop."""
+        if not self.checks_grads:
+            return True  # fp16: the GradScaler skips the step and lowers the scale
+        bad = ~torch.isfinite(window_loss.detach().float())
+        if grad_norm is not None:
+            bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=bad.device).float())
+        if self.num_processes > 1:  # every rank must take the same decision
+            import torch.distributed as dist
+
+            flag = bad.float().reshape(1)
+            dist.all_reduce(flag)
+            bad = flag[0] > 0
+        if not bool(bad):  # the one host sync per optimizer step
+            return True
+        what = f"loss {float(window_loss):g}, gradient norm {float(grad_norm) if grad_norm is not None else 'n/a'}"
+        if self.nonfinite == "skip":
+            self.nonfinite_skipped += 1
+            logger.warning(f"warning: non-finite values at optimizer step {step} ({what}): step skipped ({self.nonfinite_skipped} so far)")
+            return False
+        where = ""
+        if self.run_dir is not None:
+            from finetune.checkpoint import list_checkpoints
+
+            found = list_checkpoints(self.run_dir)
+            where = f"; the last checkpoint {found[-1]} is intact" if found else "; no checkpoint was written yet"
+        raise NonFiniteError(
+            f"training stopped: non-finite values at optimizer step {step} ({what}) in precision.mode={self.mode}{where}; "
+            "lower train.learning_rate, set train.max_grad_norm, try precision.mode=fp32, or set train.nonfinite=skip"
+        )
+
+    def after_step(self, skipped_by_scaler: bool) -> None:
+        """Count an fp16 step the GradScaler skipped (Accelerate's `optimizer_step_was_skipped`)."""
+        if skipped_by_scaler:
+            self.scaler_skipped += 1
+
+    def fields(self) -> dict[str, Any]:
+        """Extra metrics.jsonl fields (a host sync for the scale: call at log/eval steps only)."""
+        out: dict[str, Any] = {}
+        if self.compiled:
+            out["compile_graphs"] = compiled_graphs()
+            hits = recompile_limit_hits()
+            if hits:
+                out["compile_recompile_limit_hits"] = hits
+                if not self._limit_reported:
+                    self._limit_reported = True
+                    logger.warning(
+                        "warning: torch.compile hit torch._dynamo.config.recompile_limit: the model now runs eagerly "
+                        "for new shapes; keep model.compile_dynamic unset (null) or raise the limit"
+                    )
+        if self.scaler is not None:
+            out["loss_scale"] = float(self.scaler.get_scale())
+            out["fp16_skipped_steps"] = self.scaler_skipped
+        if self.nonfinite_skipped:
+            out["nonfinite_skipped_steps"] = self.nonfinite_skipped
+        return out
+
+
+def release_cached_memory(enabled: bool, device: torch.device) -> None:
+    """`torch.cuda.empty_cache()` at epoch end and before evaluation only (never in the step):
+    it hands cached blocks back, which helps evaluation's different shapes and other processes."""
+    if enabled and device.type == "cuda":
+        torch.cuda.empty_cache()
