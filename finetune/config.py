@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
 
 from finetune.errors import UserError
 
@@ -141,6 +141,19 @@ class DataConfig(_Section):
     max_eval_samples: PositiveInt | None = None
     group_by_length: bool = True
     num_workers: int = Field(0, ge=0)
+
+    @field_validator("labels", "label_map", mode="before")
+    @classmethod
+    def _int_labels_as_text(cls, value: Any) -> Any:
+        # `label_map: {1: World}` and `labels: [0, 1]` are natural YAML; raw labels are compared as text
+        def text(v: Any) -> Any:
+            return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+        if isinstance(value, dict):
+            return {text(k): text(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [text(v) for v in value]
+        return value
 
     @model_validator(mode="after")
     def _sources(self) -> "DataConfig":

@@ -153,3 +153,12 @@ def test_config_yaml_round_trips_tricky_strings(tmp_path: Path) -> None:
     cfg = load_config(path, ['data.label_map={"0": "1e5", "1": "no", "2": "010", "3": "true"}', 'data.text_column="3e-5"'])
     assert cfg.data.label_map == {"0": "1e5", "1": "no", "2": "010", "3": "true"}
     assert validate_config(parse_yaml12(dump_config(cfg))) == cfg
+
+
+def test_integer_labels_in_label_map_and_labels(tmp_path: Path) -> None:
+    # AG News style: `label_map: {1: World, ...}` needs no quotes around the raw integer labels
+    path = write_tiny_config(tmp_path)
+    cfg = load_config(path, ["data.label_map={0: negative, 1: positive}", "data.labels=[negative, positive]"])
+    assert cfg.data.label_map == {"0": "negative", "1": "positive"}
+    cfg = load_config(path, ["data.label_map=null", "data.labels=[0, 1]"])
+    assert cfg.data.labels == ["0", "1"]
