@@ -84,7 +84,9 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def read_file(cfg: Config, path: Path) -> datasets.Dataset:
-    """Read one local file into a Dataset with every column as given in the file."""
+    """Read one local file (or a `Dataset.save_to_disk` directory) into a Dataset with every column as given."""
+    if path.is_dir():
+        return _read_saved(path)
     if not path.is_file():
         raise UserError(f"data file {path} does not exist")
     fmt = _file_format(cfg, path)
@@ -124,6 +126,22 @@ def read_file(cfg: Config, path: Path) -> datasets.Dataset:
         raise UserError(f"cannot read {path} as {fmt}: {msg}") from None
     if fmt == "text" and d.line_regex is not None:
         ds = _apply_line_regex(ds, d.line_regex, path)
+    if len(ds) == 0:
+        raise UserError(f"{path} has no rows")
+    return ds
+
+
+def _read_saved(path: Path) -> datasets.Dataset:
+    """A dataset saved with `save_to_disk`; a saved DatasetDict has one such directory per split."""
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise UserError(f"{path} is a saved DatasetDict; point the data file at one split directory ({', '.join(splits)})")
+    if not (path / "state.json").is_file():
+        raise UserError(f"data file {path} is a directory but not a saved dataset (Dataset.save_to_disk)")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as exc:
+        raise UserError(f"cannot read saved dataset {path}: {str(_root_cause(exc)).strip().splitlines()[0]}") from None
     if len(ds) == 0:
         raise UserError(f"{path} has no rows")
     return ds
@@ -352,11 +370,14 @@ def format_data_report(report: dict[str, Any]) -> str:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a data file (for provenance.json)."""
+    """sha256 of a data file, or of a saved dataset directory's files and names (for provenance.json)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()
 
 

@@ -187,3 +187,72 @@ def test_collator_pads_and_carries_window(data_dir: Path) -> None:
     assert batch["attention_mask"][1].sum() == len(feats[1]["input_ids"])
     assert batch["labels"].tolist() == [0, 1]
     assert float(batch["window_samples"]) == 3.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Local formats through the same options (no data directory needed).
+
+ROWS = [{"text": t, "label": l} for t, l in [("good", 1), ("bad", 0), ("great fun", 1), ("dull", 0), ("fine", 1), ("weak", 0)]]
+
+
+def _local_cfg(tmp_path: Path, train_file: str, extra: dict | None = None) -> Config:
+    from conftest import write_tiny_config
+
+    updates = {
+        "data.data_dir": str(tmp_path),
+        "data.train_file": train_file,
+        "data.validation_file": None,
+        "data.format": "auto",
+        "data.quoting": "minimal",
+        "data.text_column": "text",
+        "data.label_column": "label",
+        "data.label_map": {0: "neg", 1: "pos"},
+        "data.max_train_samples": None,
+        "data.max_eval_samples": None,
+        **(extra or {}),
+    }
+    return load_config(write_tiny_config(tmp_path, updates, name="local.yaml"))
+
+
+def test_local_formats_read_alike(tmp_path: Path) -> None:
+    import json
+
+    import datasets
+    import pandas as pd
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    pd.DataFrame(ROWS).to_csv(tmp_path / "d.csv", index=False)
+    pd.DataFrame(ROWS).to_csv(tmp_path / "d.tsv", index=False, sep="\t")
+    pd.DataFrame(ROWS).to_parquet(tmp_path / "d.parquet")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    for name in ("d.jsonl", "d.json", "d.csv", "d.tsv", "d.parquet", "saved"):
+        raw = load_raw_splits(_local_cfg(tmp_path, name))
+        assert raw.label_names == ["neg", "pos"], name
+        assert list(raw.train["text"]) == [r["text"] for r in ROWS], name
+        assert [raw.raw_to_name[v] for v in raw.train["label"]] == ["pos", "neg"] * 3, name
+
+
+def test_saved_dataset_dict_asks_for_a_split(tmp_path: Path) -> None:
+    import datasets
+
+    from finetune.errors import UserError
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(UserError, match=r"saved DatasetDict.*\(train\)"):
+        load_raw_splits(_local_cfg(tmp_path, "dd"))
+    raw = load_raw_splits(_local_cfg(tmp_path, "dd/train"))
+    assert len(raw.train) == 6
+
+
+def test_text_pair_column(tmp_path: Path, data_dir: Path) -> None:
+    from finetune.model import build_tokenizer
+
+    (tmp_path / "pairs.csv").write_text("premise,hypothesis,label\nit rains,it is wet,1\nit rains,it is dry,0\n")
+    cfg = _local_cfg(tmp_path, "pairs.csv", {"data.text_column": "premise", "data.text_pair_column": "hypothesis"})
+    raw = load_raw_splits(cfg)
+    assert raw.train.column_names == ["text", "text_pair", "label"]
+    tok = build_tokenizer(cfg)
+    enc = tokenize_split(raw.train, tok, 32, {"0": 0, "1": 1})
+    assert set(enc[0]["token_type_ids"]) == {0, 1}  # two segments
+    assert enc["labels"][:] == [1, 0]
