@@ -506,6 +506,10 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             with metrics_file.open("a") as f:
                 f.write(json.dumps(row) + "\n")
         (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+    if eval_loader is not None:  # trackers get the final evaluation too (the loop skips the last step's)
+        accelerator.log({"eval_accuracy": final["accuracy"], "eval_macro_f1": final["macro_f1"], "eval_loss": final["loss"]}, step=step)
+    if test_loader is not None:
+        accelerator.log({"test_accuracy": final["test"]["accuracy"], "test_macro_f1": final["test"]["macro_f1"]}, step=step)
     finished = True
     if cfg.checkpoint.every_steps:
         save(step)

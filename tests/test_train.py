@@ -223,3 +223,18 @@ def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Pat
     preds = clf(["a wonderful , moving film", "dull and lifeless"])
     assert len(preds) == 2 and all(p["label"] in names for p in preds)
     assert all(0.0 < p["score"] <= 1.0 for p in preds)
+
+
+def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 16, "train.log_every_steps": 1, "log.trackers": ["tensorboard"]})
+    assert train_mod.main(["--config", str(cfg)]) == 0
+    events = sorted((tmp_path / "run").rglob("events.out.tfevents.*"))
+    assert events
+    tags = set()
+    for e in events:
+        acc = EventAccumulator(str(e))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    assert {"loss", "lr", "eval_accuracy"} <= tags, tags
