@@ -145,6 +145,16 @@ def test_validation_label_unseen_in_training(case, capsys) -> None:
     _expect_error(["--config", str(cfg)], out, capsys, "val.csv", "row 3", "'neutral'")
 
 
+def test_test_label_unseen_in_training(case, capsys) -> None:
+    cfg, out = case({"data.test_file": "test.csv"}, data={"test.csv": "text,label\nok,pos\nmeh,mixed\n"})
+    _expect_error(["--config", str(cfg)], out, capsys, "test.csv", "row 2", "'mixed'")
+
+
+def test_row_with_an_extra_field(case, capsys) -> None:
+    cfg, out = case({"data.train_file": "train.tsv", "data.validation_file": None, "data.validation_split": 0.5, "data.quoting": "none"}, data={"train.tsv": "text\tlabel\ngood\tpos\nbad\tneg\tspare\n"})
+    _expect_error(["--config", str(cfg)], out, capsys, "train.tsv", "line 3")
+
+
 def test_undecodable_file(case, capsys) -> None:
     cfg, out = case(data={"train.csv": GOOD_TRAIN.encode() + "caf\xe9 au lait,pos\n".encode("latin-1")})
     _expect_error(["--config", str(cfg)], out, capsys, "train.csv", "line 8", "0xe9", "data.encoding")
@@ -178,6 +188,14 @@ def test_non_empty_output_dir(case, capsys) -> None:
     (out / "keep.txt").write_text("earlier results")
     _expect_error(["--config", str(cfg)], out, capsys, str(out), "run.overwrite=true", before=["keep.txt"])
     assert (out / "keep.txt").read_text() == "earlier results"
+
+
+def test_overwrite_keeps_old_results_when_the_input_is_bad(case, capsys) -> None:
+    # run.overwrite=true clears the directory only once every input has been checked
+    cfg, out = case(data={"val.csv": GOOD_VAL + "so-so,neutral\n"})
+    out.mkdir()
+    (out / "eval.json").write_text("{}")
+    _expect_error(["--config", str(cfg), "run.overwrite=true"], out, capsys, "val.csv", "'neutral'", before=["eval.json"])
 
 
 def test_hub_model_offline(data_dir: Path, capsys, tmp_path: Path) -> None:

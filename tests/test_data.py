@@ -256,3 +256,28 @@ def test_text_pair_column(tmp_path: Path, data_dir: Path) -> None:
     enc = tokenize_split(raw.train, tok, 32, {"0": 0, "1": 1})
     assert set(enc[0]["token_type_ids"]) == {0, 1}  # two segments
     assert enc["labels"][:] == [1, 0]
+
+
+def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """configs/sst2-hub.yaml's data section on a stand-in for `datasets.load_dataset` (hub SST-2 has ClassLabel labels)."""
+    import datasets
+
+    import finetune.data as data_mod
+
+    features = datasets.Features({"idx": datasets.Value("int32"), "sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["negative", "positive"])})
+    splits = {
+        "train": datasets.Dataset.from_dict({"idx": [0, 1, 2], "sentence": ["good", "bad", "fine"], "label": [1, 0, 1]}, features=features),
+        "validation": datasets.Dataset.from_dict({"idx": [0, 1], "sentence": ["great", "awful"], "label": [1, 0]}, features=features),
+    }
+    calls = []
+
+    def fake_load_dataset(name: str, config: str | None = None, split: str | None = None, **kw: object) -> datasets.Dataset:
+        calls.append((name, split))
+        return splits[split]
+
+    monkeypatch.setattr(data_mod.datasets, "load_dataset", fake_load_dataset)
+    raw = load_raw_splits(load_config(CONFIGS / "sst2-hub.yaml"))
+    assert calls == [("stanfordnlp/sst2", "train"), ("stanfordnlp/sst2", "validation")]
+    assert raw.label_names == ["negative", "positive"]
+    assert list(raw.train["text"]) == ["good", "bad", "fine"]
+    assert [raw.raw_to_name[v] for v in raw.validation["label"]] == ["positive", "negative"]

@@ -166,6 +166,22 @@ def test_max_steps_ends_the_run_and_the_schedule(tiny_config: Callable[..., Path
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
 
 
+def test_adamw_does_not_decay_biases_and_norms(tiny_config: Callable[..., Path]) -> None:
+    from finetune.model import build_model, build_tokenizer
+
+    cfg = load_config(tiny_config())
+    model = build_model(cfg, ["negative", "positive"], build_tokenizer(cfg))
+    opt = train_mod.build_optimizer(cfg, model)
+    assert isinstance(opt, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {names[id(p)] for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    no_decay = {names[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert decay and no_decay and not decay & no_decay
+    assert decay | no_decay == set(names.values())
+    assert all(n.endswith(".bias") or "LayerNorm" in n for n in no_decay), no_decay
+    assert "bert.encoder.layer.0.attention.self.query.weight" in decay and "classifier.weight" in decay
+
+
 # ------------------------------------------------------------------------------------------------
 # End to end through `accelerate launch`.
 
@@ -228,8 +244,12 @@ def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Pat
 def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 16, "train.log_every_steps": 1, "log.trackers": ["tensorboard"]})
+    # with a test split: eval.json holds its metrics under `test`, the trackers get them too
+    cfg = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 16, "data.test_file": "sst2/dev.tsv", "train.log_every_steps": 1, "log.trackers": ["tensorboard"]})
     assert train_mod.main(["--config", str(cfg)]) == 0
+    ev = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert ev["test"]["num_samples"] == 16 and sum(map(sum, ev["test"]["confusion_matrix"])) == 16
+    assert ev["test"]["confusion_matrix"] == ev["confusion_matrix"]  # the same 16 dev rows
     events = sorted((tmp_path / "run").rglob("events.out.tfevents.*"))
     assert events
     tags = set()
@@ -237,4 +257,4 @@ def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -
         acc = EventAccumulator(str(e))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    assert {"loss", "lr", "eval_accuracy"} <= tags, tags
+    assert {"loss", "lr", "eval_accuracy", "test_accuracy"} <= tags, tags
