@@ -51,7 +51,13 @@ def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
     except OSError as exc:
         if not Path(path).is_dir():
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
-            reason = "the HuggingFace hub is unreachable (HF_HUB_OFFLINE=1)" if offline else f"it is not a local directory and the hub did not answer ({str(exc).splitlines()[0]})"
+            first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if offline:
+                reason = "the HuggingFace hub is unreachable (HF_HUB_OFFLINE=1)"
+            elif "connect" in first.lower():  # no network: huggingface_hub gave up after its retries
+                reason = f"the HuggingFace hub is unreachable ({first})"
+            else:
+                reason = f"it is not a local directory and the hub did not provide it ({first})"
             raise UserError(
                 f"cannot load {what} {name!r}: {reason}; set model.name_or_path to a local directory or the alias 'minilm-l6'"
             ) from None
