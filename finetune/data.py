@@ -303,7 +303,8 @@ def _stratified_split(ds: datasets.Dataset, fraction: float, seed: int) -> tuple
     for label in sorted(by_class):
         idx = by_class[label][:]
         rng.shuffle(idx)
-        val_idx.extend(idx[: max(1, round(len(idx) * fraction))])
+        # at least one per class in validation, but never a class's only example (training needs it more)
+        val_idx.extend(idx[: min(len(idx) - 1, max(1, round(len(idx) * fraction)))])
     val_set = set(val_idx)
     train_idx = [i for i in range(len(ds)) if i not in val_set]
     if not train_idx:

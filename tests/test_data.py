@@ -281,3 +281,14 @@ def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> No
     assert raw.label_names == ["negative", "positive"]
     assert list(raw.train["text"]) == ["good", "bad", "fine"]
     assert [raw.raw_to_name[v] for v in raw.validation["label"]] == ["positive", "negative"]
+
+
+def test_stratified_split_keeps_rare_classes_in_training(tmp_path: Path) -> None:
+    import pandas as pd
+
+    rows = [{"text": f"common {i}", "label": 0} for i in range(20)] + [{"text": "rare 0", "label": 1}, {"text": "rare 1", "label": 1}, {"text": "single", "label": 2}]
+    pd.DataFrame(rows).to_csv(tmp_path / "r.csv", index=False)
+    cfg = _local_cfg(tmp_path, "r.csv", {"data.label_map": None, "data.validation_split": 0.1})
+    raw = load_raw_splits(cfg)
+    assert Counter(raw.validation["label"][:]) == {"0": 2, "1": 1}  # 10% of 20; at least one of 2; none of 1
+    assert Counter(raw.train["label"][:]) == {"0": 18, "1": 1, "2": 1}
