@@ -45,11 +45,13 @@ OVERRIDES = [
 ]
 
 
-def launch(config: str, overrides: list[str], out_dir: Path, log: Path, resume: bool) -> subprocess.Popen[bytes]:
+def launch(config: str, overrides: list[str], out_dir: Path, log: Path, resume: bool, threads: int) -> subprocess.Popen[bytes]:
     """One training process (`python finetune/train.py`), its output to `log`."""
     cmd = [sys.executable, str(ROOT / "finetune" / "train.py"), "--config", config, *overrides, f"run.output_dir={out_dir}"]
     cmd.append("checkpoint.resume=auto" if resume else "run.overwrite=true")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    # one intra-op thread: on a shared 2-core machine OpenMP threads that spin-wait for a descheduled
+    # sibling make a step several times slower; the reference and the chaos runs use the same setting
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
@@ -87,9 +89,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "sst2-minilm.yaml"))
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--rows", type=int, default=320, help="SST-2 training rows")
+    parser.add_argument("--rows", type=int, default=240, help="SST-2 training rows (240: 30 optimizer steps)")
     parser.add_argument("--every", type=int, default=2, help="checkpoint.every_steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the training processes")
     parser.add_argument("--out", default=str(ROOT / "runs" / "chaos"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -102,21 +105,23 @@ def main() -> int:
 
     # The uninterrupted run, timed: its training time sets the range of the random kill delays.
     ref_log = out / "reference.log"
-    proc = launch(args.config, overrides, out / "reference", ref_log, resume=False)
+    proc = launch(args.config, overrides, out / "reference", ref_log, resume=False, threads=args.threads)
     wait_training(proc, ref_log)
     t_train = time.monotonic()
     if proc.wait() != 0:
         print(ref_log.read_text()[-3000:], file=sys.stderr)
         return 1
     train_s = time.monotonic() - t_train
-    print(f"reference: {time.monotonic() - t0:.0f} s ({train_s:.0f} s training)", flush=True)
+    total_steps = max(r["step"] for r in map(json.loads, (out / "reference" / "metrics.jsonl").read_text().splitlines()))
+    step_s = train_s / total_steps
+    print(f"reference: {time.monotonic() - t0:.0f} s ({total_steps} steps, {step_s:.1f} s per step with saves)", flush=True)
 
     run = out / "chaos"
     events = []
     launches = 0
     for k in range(args.kills):
         log = out / f"launch_{launches:02d}.log"
-        proc = launch(args.config, overrides, run, log, resume=launches > 0)
+        proc = launch(args.config, overrides, run, log, resume=launches > 0, threads=args.threads)
         launches += 1
         started = wait_training(proc, log)
         if events:
@@ -124,9 +129,9 @@ def main() -> int:
         if started is None:
             break
         mode = "save" if k % 2 else "step"  # alternate: kills during a save, kills at a random moment
-        # random moments spread so that 20 kills do not finish the run: a step kill lands within
-        # the next ~10% of the training time, a save kill at the next save (or a little after it)
-        deadline = time.monotonic() + (train_s if mode == "save" else rng.uniform(0.0, 0.1) * train_s)
+        # a step kill lands at a random moment within the next ~2 optimizer steps (so 20 kills do
+        # not finish the run); a save kill waits for the next save and lands inside or just after it
+        deadline = time.monotonic() + (3 * args.every * step_s if mode == "save" else rng.uniform(0.0, 2.0) * step_s)
         if mode == "save":
             while not saving(run) and proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.005)
@@ -146,7 +151,7 @@ def main() -> int:
 
     # Let the last launch finish.
     log = out / f"launch_{launches:02d}.log"
-    proc = launch(args.config, overrides, run, log, resume=True)
+    proc = launch(args.config, overrides, run, log, resume=True, threads=args.threads)
     started = wait_training(proc, log)
     if events:
         events[-1]["next_launch"] = started or "failed"
@@ -166,6 +171,8 @@ def main() -> int:
         "weights_identical": diff == 0.0,
         "logged_losses_identical": same_losses,
         "wall_s": round(time.monotonic() - t0),
+        "reference_s_per_step": round(step_s, 2),
+        "command": " ".join(sys.argv),
         "events": events,
     }
     (out / "chaos.json").write_text(json.dumps(summary, indent=2))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import ROOT, write_tiny_config
 from safetensors.torch import load_file
 
@@ -31,6 +32,17 @@ RUN = {
     "train.log_every_steps": 1,
     "checkpoint.every_steps": 3,
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    """One intra-op thread: on a shared 2-core machine OpenMP threads spin-waiting for a
+    descheduled sibling make these small runs several times slower (results are compared
+    only within this setting)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _config(directory: Path, extra: dict[str, Any] | None = None) -> Path:
@@ -167,7 +179,7 @@ def test_sigterm_to_the_accelerate_launcher_alone_reaches_training(tmp_path: Pat
     """`accelerate launch` forwards no signals; the parent-death signal makes its death reach the trainer."""
     cfg = _config(tmp_path)
     run = tmp_path / "run"
-    env = {**os.environ, ckpt.FAULT_ENV: "wait_at_step:2", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, ckpt.FAULT_ENV: "wait_at_step:2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "launch.log").open("w")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
