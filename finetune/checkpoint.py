@@ -428,6 +428,19 @@ def check_compatible(path: Path, current: dict[str, Any], data_sha256: dict[str,
             raise UserError(f"cannot resume from {path}: the {split} data file changed (sha256 differs from the checkpoint's)")
 
 
+def _empty(run_dir: Path) -> bool:
+    """No run directory, or nothing in it but an empty checkpoints/ folder."""
+    if not run_dir.is_dir():
+        return True
+    return all(p.name == "checkpoints" and p.is_dir() and not any(p.iterdir()) for p in run_dir.iterdir())
+
+
+def _holds_this_run(run_dir: Path, current: dict[str, Any]) -> bool:
+    """The directory's config.yaml is this config, up to harmless keys."""
+    saved = run_dir / "config.yaml"
+    return saved.is_file() and not config_differences(_resolved_config(saved), current)
+
+
 def find_resume_checkpoint(
     resume: str | None, run_dir: Path, current: dict[str, Any] | None = None, data_sha256: dict[str, str] | None = None
 ) -> Path | None:
@@ -435,7 +448,8 @@ def find_resume_checkpoint(
 
     `auto`: the newest complete checkpoint of `run_dir` (incomplete or corrupt ones are skipped
     with a warning); a non-empty `run_dir` that holds no run of this config is refused.
-    A path: that checkpoint, which must be complete. Either way the config must be compatible.
+    A path: that checkpoint, which must be complete; the run continues in `run_dir`, which must be
+    empty, the checkpoint's own run, or a run of this config. Either way the config must be compatible.
     """
     if resume is None:
         return None
@@ -443,10 +457,8 @@ def find_resume_checkpoint(
     if resume == "auto":
         found = newest_valid_checkpoint(run_dir)
         if found is None:
-            if run_dir.is_dir() and any(p.name != "checkpoints" or any(p.iterdir()) for p in run_dir.iterdir()):
-                saved = run_dir / "config.yaml"
-                same_run = saved.is_file() and not config_differences(_resolved_config(saved), current)
-                if not same_run:
+            if not _empty(run_dir):
+                if not _holds_this_run(run_dir, current):
                     raise UserError(
                         f"checkpoint.resume=auto: run.output_dir {run_dir} is not empty and holds no run of this config; "
                         "choose another run.output_dir (or set run.overwrite=true with checkpoint.resume=null)"
@@ -460,6 +472,12 @@ def find_resume_checkpoint(
         reason = verify_checkpoint(found)
         if reason is not None:
             raise UserError(f"checkpoint.resume: {found} is not a complete checkpoint: {reason}")
+        own_run = found.resolve().parent.parent == run_dir.resolve()
+        if not own_run and not _empty(run_dir) and not _holds_this_run(run_dir, current):
+            raise UserError(
+                f"checkpoint.resume={found}: run.output_dir {run_dir} is not empty and holds no run of this config; "
+                "continue into an empty run.output_dir"
+            )
     check_compatible(found, current, data_sha256 or {})
     return found
 

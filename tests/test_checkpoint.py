@@ -185,7 +185,12 @@ def test_find_resume_checkpoint_auto(tmp_path: Path, prepared: Any) -> None:
     accelerator, _, _ = prepared
     path = ckpt.save_checkpoint(accelerator, run, 5, {"step": 5}, {"config.yaml": yaml.safe_dump(cfg)})
     assert ckpt.find_resume_checkpoint("auto", run, cfg) == path
-    assert ckpt.find_resume_checkpoint(str(path), tmp_path / "elsewhere", cfg) == path
+    assert ckpt.find_resume_checkpoint(str(path), tmp_path / "elsewhere", cfg) == path  # into an empty dir
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.csv").write_text("x")
+    with pytest.raises(UserError, match="holds no run of this config"):
+        ckpt.find_resume_checkpoint(str(path), foreign, cfg)
     (path / "progress.json").write_text("{}")
     with pytest.raises(UserError, match="not a complete checkpoint"):
         ckpt.find_resume_checkpoint(str(path), run, cfg)
