@@ -82,7 +82,7 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(_free_port()),
         str(ROOT / "finetune" / "train.py"), "--config", str(ROOT / "configs" / "tiny-debug.yaml"),
-        f"run.output_dir={two}", "train.micro_batch_size=4", *COMMON,
+        f"run.output_dir={two}", "train.micro_batch_size=4", "checkpoint.every_steps=2", *COMMON,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -120,6 +120,13 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
     assert j1["confusion_matrix"] == j2["confusion_matrix"]
     assert j1["accuracy"] == j2["accuracy"] and j1["macro_f1"] == j2["macro_f1"]
     assert j1["loss"] == pytest.approx(j2["loss"], abs=1e-5)
+
+    # the mid-run checkpoint holds every rank's RNG state (save_state on all ranks, one rename)
+    ckpts = sorted((two / "checkpoints").glob("step_*"))
+    assert ckpts, "no checkpoint written"
+    for c in ckpts:
+        assert sorted(p.name for p in c.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    assert not [p for p in two.rglob("*") if p.name.startswith(".tmp")]
 
     # only the main process wrote logs: one row per step, not one per rank
     assert len((two / "metrics.jsonl").read_text().splitlines()) == len((one / "metrics.jsonl").read_text().splitlines())
