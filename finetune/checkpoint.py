@@ -269,15 +269,13 @@ def save_checkpoint(
 
     Every process writes its share through `save_state` into the same temporary directory; the
     main process then adds progress.json, the text `files`, whatever `write_extra(tmp)` writes,
-    and the manifest, fsyncs and renames. An existing complete checkpoint of this step is kept
-    as it is (a resumed run that stops at the step it resumed from has nothing new to save).
+    and the manifest, fsyncs and renames. A checkpoint of the same step already there (the
+    periodic one of the step where the run ends, or a broken leftover) is replaced: renamed to
+    `.trash-step_<N>` first, which `cleanup_stale` renames back if a crash comes in between.
     With `keep_last`, older checkpoints are then rotated (`rotate`).
     """
     target = checkpoint_dir(run_dir, step)
     tmp = target.with_name(f"{TMP_PREFIX}{target.name}")
-    exists = verify_checkpoint(target, deep=False) is None if target.is_dir() else False
-    if exists:
-        return target
     if accelerator.is_main_process:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -304,10 +302,15 @@ def save_checkpoint(
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _fsync_tree(tmp)
-        if target.exists():  # an incomplete leftover of the same step
-            _remove(target)
+        trash = target.with_name(f"{TRASH_PREFIX}{target.name}")
+        if target.exists():
+            if trash.exists():
+                shutil.rmtree(trash)
+            target.rename(trash)
         tmp.rename(target)
         _fsync_dir(target.parent)
+        if trash.exists():
+            shutil.rmtree(trash)
         if keep_last is not None:
             rotate(run_dir, keep_last, best_metric)
     accelerator.wait_for_everyone()
@@ -361,11 +364,20 @@ def read_progress(path: Path) -> dict[str, Any]:
 
 
 def cleanup_stale(run_dir: Path) -> list[Path]:
-    """Remove temporaries left by a crash during a save or a rotation; return what was removed."""
+    """Remove temporaries left by a crash during a save or a rotation; return what was removed.
+
+    A complete `.trash-step_<N>` without its `step_<N>` (a crash between the two renames of a
+    replacement) is renamed back instead.
+    """
     root = run_dir / "checkpoints"
     removed = []
     if root.is_dir():
         for p in sorted(root.iterdir()):
+            if p.name.startswith(TRASH_PREFIX):
+                original = p.with_name(p.name[len(TRASH_PREFIX):])
+                if not original.exists() and verify_checkpoint(p, deep=False) is None:
+                    p.rename(original)
+                    continue
             if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)

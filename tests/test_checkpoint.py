@@ -89,6 +89,20 @@ def test_newest_valid_falls_back_with_a_warning(prepared: Any, tmp_path: Path, c
     assert again == new and ckpt.verify_checkpoint(new) is None
 
 
+def test_replacing_a_checkpoint_survives_a_crash_between_the_renames(prepared: Any, tmp_path: Path) -> None:
+    accelerator, _, _ = prepared
+    path = _save(accelerator, tmp_path, 4)
+    assert ckpt.read_progress(path)["batches_in_epoch"] == 4
+    ckpt.save_checkpoint(accelerator, tmp_path, 4, {"step": 4, "finished": True}, {})
+    assert ckpt.read_progress(path) == {"step": 4, "finished": True} and ckpt.verify_checkpoint(path) is None
+    # a crash after `step_4 -> .trash-step_4` and before `.tmp-step_4 -> step_4`
+    path.rename(path.with_name(f"{ckpt.TRASH_PREFIX}{path.name}"))
+    (tmp_path / "checkpoints" / f"{ckpt.TMP_PREFIX}{path.name}").mkdir()
+    ckpt.cleanup_stale(tmp_path)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [path.name]
+    assert ckpt.verify_checkpoint(path) is None
+
+
 def _fake_checkpoint(run: Path, step: int, metric: float | None, eval_step: int | None = None) -> Path:
     """A complete checkpoint directory (progress + manifest) with an evaluation of `metric`."""
     path = ckpt.checkpoint_dir(run, step)

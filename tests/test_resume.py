@@ -205,3 +205,33 @@ def test_sigterm_to_the_accelerate_launcher_alone_reaches_training(tmp_path: Pat
     assert "SIGTERM: stopped at step 2" in out, out[-3000:]
     newest = ckpt.newest_valid_checkpoint(run)
     assert newest == ckpt.checkpoint_dir(run, 2) and ckpt.read_progress(newest)["step"] == 2
+
+
+def test_early_stopping_export_best_and_rotation(tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    patience = 2
+    cfg = _config(tmp_path, {"train.eval_every_steps": 1, "checkpoint.every_steps": 1, "checkpoint.keep_last": 1,
+                             "checkpoint.export": "best", "train.early_stopping_patience": patience, "train.learning_rate": 3e-3})
+    run = tmp_path / "run"
+    assert main(["--config", str(cfg)]) == 0
+    evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval_accuracy" in x]
+    # the stop step computed independently from the logged evaluations (ties are no improvement)
+    best, bad, stop = None, 0, None
+    for row in evals:
+        if best is None or row["eval_accuracy"] > best[0]:
+            best, bad = (row["eval_accuracy"], row["step"]), 0
+        else:
+            bad += 1
+        if bad >= patience and stop is None:
+            stop = row["step"]
+    last_step = max(_losses(run))
+    assert stop is not None and last_step == stop < 8, (evals, last_step)
+    assert f"early stopping at step {stop}" in capfd.readouterr().err
+    # rotation: the newest checkpoint plus the best one (its own evaluation), nothing else
+    best_dir = ckpt.checkpoint_dir(run, best[1])
+    assert set(ckpt.list_checkpoints(run)) == {best_dir, ckpt.checkpoint_dir(run, stop)}
+    # export=best: final/ holds the best checkpoint's weights
+    final, chosen = load_file(run / "final" / "model.safetensors"), load_file(best_dir / "model.safetensors")
+    assert all(bool((final[k] == chosen[k]).all()) for k in chosen)
+    # a resume of the finished run does not train further
+    assert main(["--config", str(cfg), "checkpoint.resume=auto"]) == 0
+    assert max(_losses(run)) == stop
