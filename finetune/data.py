@@ -309,7 +309,10 @@ def _stratified_split(ds: datasets.Dataset, fraction: float, seed: int) -> tuple
     train_idx = [i for i in range(len(ds)) if i not in val_set]
     if not train_idx:
         raise UserError("data.validation_split leaves no training rows")
-    return ds.select(train_idx), ds.select(sorted(val_idx))
+    # validation in seeded random order, not file order: a class-sorted file (AG News) would otherwise
+    # make the first data.max_eval_samples rows of validation a single class
+    rng.shuffle(val_idx)
+    return ds.select(train_idx), ds.select(val_idx)
 
 
 # ----------------------------------------------------------------------------------------------

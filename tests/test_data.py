@@ -292,3 +292,10 @@ def test_stratified_split_keeps_rare_classes_in_training(tmp_path: Path) -> None
     raw = load_raw_splits(cfg)
     assert Counter(raw.validation["label"][:]) == {"0": 2, "1": 1}  # 10% of 20; at least one of 2; none of 1
     assert Counter(raw.train["label"][:]) == {"0": 18, "1": 1, "2": 1}
+
+
+def test_carved_validation_is_mixed_under_max_eval_samples(data_dir: Path) -> None:
+    # train_8k.csv is sorted by class; the first 40 rows of the carved validation set still mix them
+    _, raw = _splits("agnews-minilm.yaml", ["data.max_eval_samples=40"])
+    assert len(raw.validation) == 40
+    assert len(set(raw.validation["label"][:])) == 4
