@@ -30,6 +30,25 @@ def test_every_config_validates_and_names_its_launch_line(path: Path) -> None:
     assert validate_config(parse_yaml12(dump_config(cfg))) == cfg
 
 
+@pytest.mark.parametrize("path", sorted((CONFIGS / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_launch_configs_load(path: Path) -> None:
+    """configs/accelerate/*.yaml are `accelerate launch --config_file` files: Accelerate itself reads them."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cluster = load_config_from_file(str(path))
+    assert cluster.num_processes >= 1 and cluster.distributed_type is not None
+    # the accumulation count lives in the app config only (train.gradient_accumulation_steps)
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    assert "gradient_accumulation_steps" not in (raw.get("deepspeed_config") or {})
+
+
+def test_every_file_in_configs_is_checked() -> None:
+    covered = set(CONFIG_FILES) | set((CONFIGS / "accelerate").glob("*.yaml"))
+    assert {p for p in CONFIGS.rglob("*") if p.is_file()} == covered
+
+
 # ------------------------------------------------------------------------------------------------
 # YAML 1.2 numbers and booleans (PyYAML alone: "3e-5" is a string, "no" is False, "010" is 8).
 
