@@ -148,7 +148,8 @@ class PreemptionGuard:
         name = signal.Signals(signum).name
         if self.signal_name is None:
             self.signal_name = name
-            print(f"\n{name} received: saving a checkpoint at the end of this optimizer step", file=sys.stderr, flush=True)
+            if os.environ.get("RANK", "0") == "0":
+                print(f"\n{name} received: saving a checkpoint at the end of this optimizer step", file=sys.stderr, flush=True)
         elif signum == signal.SIGINT:  # a second Ctrl-C means: stop now
             raise KeyboardInterrupt
 

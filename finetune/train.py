@@ -593,8 +593,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if prog is None:
             launched = "ACCELERATE_MIXED_PRECISION" in os.environ
             prog = "accelerate launch finetune/train.py" if launched else "python finetune/train.py"
-        print(f"{exc.signal_name}: stopped at step {exc.step}, checkpoint {exc.checkpoint}; resume with: "
-              f"{ckpt.resume_hint(prog, args.config, args.overrides)}", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per process
+            print(f"{exc.signal_name}: stopped at step {exc.step}, checkpoint {exc.checkpoint}; resume with: "
+                  f"{ckpt.resume_hint(prog, args.config, args.overrides)}", file=sys.stderr, flush=True)
         return exc.exit_code
     return 0
 
