@@ -186,6 +186,10 @@ class MemoryMonitor:
         """
         if self.sample is not None or self._tracker is not None or step < 1:
             return
+        if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()):
+            # a dispatch mode around a compiled model changes dynamo's guards (recompiles)
+            self.sample = {"error": "not sampled: the model is compiled (model.compile)"}
+            return
         try:
             tracker = _memtracker(self.model, self.optimizer)
             top = self.model

@@ -122,3 +122,17 @@ def test_every_checkpoint_has_a_memory_report(tmp_path: Path, data_dir: Path, ca
     table = capsys.readouterr().out.splitlines()
     assert table[1].split()[:3] == ["step", "peak", "params"]
     assert [line.split()[0] for line in table[3:]] == ["1", "2", "3"]
+
+
+def test_a_compiled_model_is_not_sampled() -> None:
+    model = Net()
+    model.compile(backend="eager")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = mem.MemoryMonitor(torch.device("cpu"), model, optimizer, {})
+    _window(model, optimizer)
+    monitor.begin_sample(1)
+    _window(model, optimizer)
+    monitor.end_sample()
+    rep = monitor.report(2)
+    assert rep["peak_bytes"] is None and "compiled" in rep["breakdown_method"]
+    assert rep["gradients_bytes"] == _nbytes(model.parameters())
