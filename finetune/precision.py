@@ -228,7 +228,9 @@ class Bf16AdamW(torch.optim.Optimizer):
                 low = p.dtype != torch.float32
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)  # on CPU: no device sync
+                    # on CPU: no device sync; made from data (not zeros) so that under FakeTensorMode
+                    # (finetune plan) it stays a known constant and float(step) below still works
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if low and update == "kahan":
