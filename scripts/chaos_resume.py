@@ -77,6 +77,22 @@ def saving(run: Path) -> bool:
     return root.is_dir() and any(p.name.startswith(ckpt.TMP_PREFIX) for p in root.iterdir())
 
 
+def last_logged_step(run: Path) -> int:
+    """The last optimizer step in metrics.jsonl (a loss is logged at every step)."""
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(x).get("step", 0) for x in lines if x.strip().endswith("}")]
+    return max(steps, default=0)
+
+
+def newest_complete(run: Path) -> int:
+    """Step of the newest checkpoint with a manifest (cheap check, no hashing)."""
+    found = [int(p.name.split("_")[1]) for p in ckpt.list_checkpoints(run) if (p / ckpt.MANIFEST).is_file()]
+    return max(found, default=0)
+
+
 def max_abs_diff(a: Path, b: Path) -> float:
     from safetensors.torch import load_file
 
@@ -89,7 +105,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "sst2-minilm.yaml"))
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--rows", type=int, default=240, help="SST-2 training rows (240: 30 optimizer steps)")
+    parser.add_argument("--rows", type=int, default=320, help="SST-2 training rows (320: 40 optimizer steps)")
     parser.add_argument("--every", type=int, default=2, help="checkpoint.every_steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the training processes")
@@ -128,17 +144,22 @@ def main() -> int:
             events[-1]["next_launch"] = started or f"failed (exit {proc.poll()})"
         if started is None:
             break
-        mode = "save" if k % 2 else "step"  # alternate: kills during a save, kills at a random moment
-        # a step kill lands at a random moment within the next ~2 optimizer steps (so 20 kills do
-        # not finish the run); a save kill waits for the next save and lands inside or just after it
-        deadline = time.monotonic() + (3 * args.every * step_s if mode == "save" else rng.uniform(0.0, 2.0) * step_s)
-        if mode == "save":
-            while not saving(run) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.15))
-        else:
-            while proc.poll() is None and time.monotonic() < deadline:
+        m = re.search(r"from step (\d+)", started)
+        resumed_at = int(m.group(1)) if m else 0
+        mode = "save" if k % 2 else "step"  # alternate: kills inside a save, kills inside a step
+        if mode == "step":
+            # a random moment of a random one of the next 3 optimizer steps
+            target = resumed_at + rng.randint(1, 3)
+            while last_logged_step(run) < target - 1 and proc.poll() is None:
                 time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, step_s))
+        else:
+            # inside the save that follows the first new complete checkpoint (so the run advances)
+            while newest_complete(run) <= resumed_at and proc.poll() is None:
+                time.sleep(0.01)
+            while not saving(run) and proc.poll() is None:
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.1))
         if proc.poll() is not None:  # finished before the kill: the run is over
             events.append({"kill": k + 1, "mode": mode, "killed": False, "exit": proc.returncode})
             break
