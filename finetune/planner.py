@@ -113,11 +113,11 @@ class Measurement:
         return {"peak": self.peak_bytes / MiB, **{k: v / MiB for k, v in self.categories.items()}}
 
 
-def autocast_context(mode: str) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    """The forward's autocast as Accelerate sets it up for `precision.mode` (CPU semantics)."""
+def autocast_context(mode: str, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """The forward's autocast as Accelerate sets it up for `precision.mode` (CPU semantics by default)."""
     if mode in ("bf16", "fp16"):
         dtype = torch.bfloat16 if mode == "bf16" else torch.float16
-        return lambda: torch.autocast("cpu", dtype=dtype)
+        return lambda: torch.autocast(device_type, dtype=dtype)
     return contextlib.nullcontext
 
 
@@ -384,7 +384,7 @@ def check_plannable(cfg: Config, device: str) -> list[str]:
     return notes
 
 
-def build_for_planning(cfg: Config, label_names: list[str], tokenizer: Any, fake_mode: FakeTensorMode | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build_for_planning(cfg: Config, label_names: list[str], tokenizer: Any, fake_mode: FakeTensorMode | None = None, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and optimizer as training builds them (adamw8bit -> its memory stand-in).
 
     With `fake_mode`, the real model (adapters included) is converted to fake tensors before
@@ -402,6 +402,12 @@ def build_for_planning(cfg: Config, label_names: list[str], tokenizer: Any, fake
         optimizer: torch.optim.Optimizer = Adam8bitStandIn([p for p in model.parameters() if p.requires_grad], lr=cfg.train.learning_rate)
     else:
         optimizer = build_optimizer(cfg, model)
+    if device == "cuda":
+        # torch's optimizers default to the multi-tensor (foreach) path on CUDA and to the per-tensor
+        # loop on CPU; foreach holds temporaries for all parameters at once
+        for group in optimizer.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
     return model, optimizer
 
 
@@ -430,13 +436,13 @@ def fake_batch_factory(tokenizer: Any, micro: int, seq_len: int, num_labels: int
     return make
 
 
-def predict_peak(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], seq_len: int | None = None) -> Measurement:
+def predict_peak(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], seq_len: int | None = None, device: str = "cpu") -> Measurement:
     """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated)."""
     seq_len = seq_len or cfg.data.max_length
     # building a model draws from the global RNG: keep the training run's random stream untouched
     with torch.random.fork_rng(devices=[]):
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        model, optimizer = build_for_planning(cfg, label_names, tokenizer, fake_mode)
+        model, optimizer = build_for_planning(cfg, label_names, tokenizer, fake_mode, device)
         make = fake_batch_factory(tokenizer, micro, seq_len, len(label_names))
         with fake_mode:
             return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
@@ -466,7 +472,7 @@ def plan(
     rows = []
     for micro in sizes:
         G = max(1, per_process // micro)
-        m = predict_peak(cfg, micro, G, tokenizer, label_names)
+        m = predict_peak(cfg, micro, G, tokenizer, label_names, device=device)
         with_margin = m.peak_bytes + margin_bytes(m.peak_bytes, device)
         rows.append(PlanRow(micro, G, m.peak_bytes, with_margin, None if budget is None else with_margin <= budget, m.categories))
     return Plan(device, E, num_processes, cfg.data.max_length, budget, rows, notes)
@@ -540,7 +546,7 @@ def choose_micro_batch(cfg: Config, num_processes: int, device: str, tokenizer: 
     smallest = None
     for micro in reversed(micro_batch_ladder(per_process)):  # the peak grows with the micro-batch
         G = per_process // micro
-        m = predict_peak(cfg, micro, G, tokenizer, label_names)
+        m = predict_peak(cfg, micro, G, tokenizer, label_names, device=device)
         need = m.peak_bytes + margin_bytes(m.peak_bytes, device)
         logger.info(f"memory plan: micro-batch {micro} x accumulation {G}: {need / MiB:,.0f} MiB planned on {device} (budget {budget / MiB:,.0f} MiB)")
         if need <= budget:
@@ -623,3 +629,24 @@ class OutOfMemoryGuard:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the failed window's blocks
         return new_micro, new_acc, windows_done * new_acc
+
+
+def measure_cuda(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], texts: list[str], labels: list[int], seq_len: int | None = None) -> dict[str, int]:
+    """On a CUDA machine: `torch.cuda.max_memory_allocated` (and reserved) over a real second window,
+    CUDA autocast. What the planner's `peak_bytes` predicts (its margin covers context and reserve)."""
+    seq_len = seq_len or cfg.data.max_length
+    model, optimizer = build_for_planning(cfg, label_names, tokenizer, device="cuda")
+    model.to("cuda")  # parameters keep their identity: the optimizer still holds them
+    make_cpu = real_batch_factory(tokenizer, texts[:micro], labels[:micro], seq_len)
+    autocast = autocast_context(cfg.precision.mode, "cuda")
+    steps = min(accumulation, 2)
+    model.train()
+    run_window(model, optimizer, [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)], autocast, cfg.train.max_grad_norm)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    run_window(model, optimizer, [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)], autocast, cfg.train.max_grad_norm)
+    torch.cuda.synchronize()
+    result = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return result
