@@ -45,6 +45,9 @@ def _cmd_plan(argv: list[str]) -> int:
     bad = [m for m in args.micro or [] if m < 1 or per_process % m]
     if bad:
         raise UserError(f"--micro {bad}: a micro-batch must divide the {per_process} samples per process of the effective batch")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # the model is built once per ladder row
     p = plan(cfg, args.device, args.budget_gb, args.micro, args.num_processes)
     print(plan_json(p) if args.json else format_plan(p, cfg))
     return 0
