@@ -136,3 +136,35 @@ def test_a_compiled_model_is_not_sampled() -> None:
     rep = monitor.report(2)
     assert rep["peak_bytes"] is None and "compiled" in rep["breakdown_method"]
     assert rep["gradients_bytes"] == _nbytes(model.parameters())
+
+
+def test_cuda_report_from_the_allocator_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: the CUDA branch runs on stubbed torch.cuda counters (arithmetic and keys)."""
+    peaks = iter([(900, 1200), (700, 1000)])  # (peak allocated, peak reserved) per read
+    current: dict[str, tuple[int, int]] = {}
+
+    def max_alloc(device: object = None) -> int:
+        current["peak"] = next(peaks)
+        return current["peak"][0]
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(cuda, "max_memory_allocated", max_alloc)
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: current["peak"][1])
+    monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: 300)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 512)
+    monkeypatch.setattr(cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 3, "num_ooms": 1})
+    monkeypatch.setattr(cuda, "memory_summary", lambda device=None, abbreviated=False: "summary text")
+    model = torch.nn.Linear(4, 4)  # 80 bytes of parameters
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = mem.MemoryMonitor(torch.device("cuda", 0), model, optimizer, {"precision": "bf16"})
+    assert monitor.interval_peak() == 900
+    rep = monitor.report(5)  # reads the second interval (700 / 1000): the max since the checkpoint wins
+    cu = rep["cuda"]
+    assert (cu["peak_allocated_bytes"], cu["peak_reserved_bytes"]) == (900, 1200)
+    assert (cu["allocated_bytes"], cu["reserved_bytes"], cu["fragmentation_bytes"]) == (300, 512, 212)
+    assert (cu["alloc_retries"], cu["ooms"]) == (3, 1)
+    # no MemTracker sample: measured peak minus parameters, gradients and optimizer state
+    assert rep["peak_bytes"] == 900 and rep["activations_bytes"] == 900 - 80 - 80 - 0
+    assert rep["breakdown_method"].startswith("measured CUDA peak")
+    assert "summary text" in mem.format_markdown(rep)
