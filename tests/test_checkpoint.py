@@ -236,3 +236,16 @@ def test_fault_spec_and_resume_hint(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not ckpt.fault("sigterm_at_step", 8) and not ckpt.fault("sigterm_at_batch", 3)
     hint = ckpt.resume_hint("finetune train", "c.yaml", ["train.epochs=2", "run.overwrite=true", "checkpoint.resume=null"])
     assert hint == "finetune train --config c.yaml train.epochs=2 checkpoint.resume=auto"
+
+
+def test_configure_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    ckpt.configure_determinism(False)
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and torch.are_deterministic_algorithms_enabled() == before
+    try:
+        ckpt.configure_determinism(True)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
