@@ -488,7 +488,9 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             stop_signal = guard.requested(accelerator)
             if stop_signal is not None:  # preemption: checkpoint this step, then exit 143 (SIGTERM) / 130 (SIGINT)
                 bar.close()
-                raise ckpt.Preempted(stop_signal, step, save(step))
+                path = save(step)
+                accelerator.end_training()  # flush the trackers (TensorBoard) before exiting
+                raise ckpt.Preempted(stop_signal, step, path)
             patience = cfg.train.early_stopping_patience
             if patience and best.get("bad_evals", 0) >= patience:
                 logger.info(f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} evaluations")
