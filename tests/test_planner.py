@@ -83,21 +83,23 @@ def test_frozen_parameters_and_lora_are_planned(data_dir: Path) -> None:
 def test_optimizers_change_the_state_category(data_dir: Path) -> None:
     from finetune.model import build_tokenizer
 
-    cfg = load_config(TINY, ["data.max_length=32"])
+    # micro 64 x 128 tokens: the peak is in backward (activations dominate), so the optimizer
+    # state at the peak is the persistent state (during step() its temporaries would count too)
+    over = ["data.max_length=128"]
+    cfg = load_config(TINY, over)
     tok = build_tokenizer(cfg)
     names = ["negative", "positive"]
-    # the peak of this small step is in the optimizer step: its temporaries count as optimizer state
-    adamw_m = predict_peak(cfg, 4, 1, tok, names)
-    adafactor_m = predict_peak(load_config(TINY, ["data.max_length=32", "train.optimizer=adafactor"]), 4, 1, tok, names)
-    sgd_m = predict_peak(load_config(TINY, ["data.max_length=32", "train.optimizer=sgd"]), 4, 1, tok, names)
+    adamw_m = predict_peak(cfg, 64, 1, tok, names)
+    assert adamw_m.categories["activations"] > adamw_m.categories["optimizer_state"]
     adamw = adamw_m.categories["optimizer_state"]
-    assert adafactor_m.categories["optimizer_state"] < 0.6 * adamw  # factored second moment, no first moment
-    assert adafactor_m.peak_bytes < adamw_m.peak_bytes
-    assert sgd_m.categories["optimizer_state"] < 0.3 * adamw and sgd_m.peak_bytes < adamw_m.peak_bytes  # no state: a step temporary only
+    adafactor = predict_peak(load_config(TINY, [*over, "train.optimizer=adafactor"]), 64, 1, tok, names).categories["optimizer_state"]
+    sgd = predict_peak(load_config(TINY, [*over, "train.optimizer=sgd"]), 64, 1, tok, names).categories["optimizer_state"]
+    assert adafactor < 0.1 * adamw  # factored second moment, no first moment
+    assert sgd == 0  # momentum 0: no state
     with pytest.raises(UserError, match="adamw8bit.*CUDA"):
         plan(load_config(TINY, ["train.optimizer=adamw8bit"]), device="cpu", micro_sizes=[4], tokenizer=tok, label_names=names)
-    eight = plan(load_config(TINY, ["data.max_length=32", "train.optimizer=adamw8bit"]), device="cuda", micro_sizes=[4], tokenizer=tok, label_names=names)
-    assert eight.rows[0].categories["optimizer_state"] < 0.3 * adamw  # 2 bytes (+ absmax) per parameter instead of 8
+    eight = plan(load_config(TINY, [*over, "train.optimizer=adamw8bit"]), device="cuda", micro_sizes=[64], tokenizer=tok, label_names=names)
+    assert 0.2 * adamw < eight.rows[0].categories["optimizer_state"] < 0.3 * adamw  # 2 bytes (+ absmax) per parameter instead of 8
 
 
 def test_plan_cli_json_and_cuda_margin(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
