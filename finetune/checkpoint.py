@@ -68,6 +68,7 @@ LOWER_IS_BETTER = {"loss"}
 # Fault injection (tests and scripts/chaos_resume.py): FINETUNE_FAULT="kind:N[,kind:N]".
 #   sigterm_at_step:N    send SIGTERM to this process right after optimizer step N
 #   sigterm_at_batch:N   send SIGTERM to this process after micro-batch N (global count)
+#   sigint_at_step:N, sigint_at_batch:N   the same with SIGINT (Ctrl-C)
 #   crash_in_save:N      raise after the state files of step N are written, before the manifest
 #   wait_at_step:N       after step N write <run>/fault_waiting (our pid) and wait for a signal
 
@@ -88,6 +89,8 @@ def inject_faults(where: str, n: int, run_dir: Path, guard: "PreemptionGuard") -
         return
     if fault(f"sigterm_at_{where}", n):
         os.kill(os.getpid(), signal.SIGTERM)
+    if fault(f"sigint_at_{where}", n):
+        os.kill(os.getpid(), signal.SIGINT)
     if where == "step" and fault("wait_at_step", n):
         wait_for_signal(run_dir, guard)
 

@@ -125,6 +125,14 @@ def test_sigterm_then_resume_is_exact(
     _assert_same_as_reference(run, reference, stopped_at)
 
 
+def test_sigint_checkpoints_and_exits_130(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    cfg = _config(tmp_path, {"checkpoint.every_steps": None})  # a preemption checkpoint needs no interval
+    monkeypatch.setenv(ckpt.FAULT_ENV, "sigint_at_batch:3")  # inside the window of step 2
+    assert main(["--config", str(cfg)]) == ckpt.EXIT_CODES["SIGINT"] == 130
+    assert "SIGINT: stopped at step 2" in capfd.readouterr().err
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_00000002"]
+
+
 def test_crash_inside_a_checkpoint_write_resumes_from_the_previous_one(
     reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
