@@ -370,6 +370,8 @@ def check_plannable(cfg: Config, device: str) -> list[str]:
     """Refuse what cannot run on `device`; return notes on approximations."""
     notes: list[str] = []
     mode = cfg.precision.mode
+    if cfg.model.compile:
+        notes.append("model.compile is not applied when planning: eager memory (compiled graphs usually need less)")
     if mode == "fp16" and device == "cpu":
         raise UserError("precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); plan with --device cuda, or use bf16/fp32")
     if cfg.train.optimizer == "adamw8bit" and device != "cuda":
