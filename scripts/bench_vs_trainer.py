@@ -293,6 +293,7 @@ def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
     dev = DevSet(cfg, build_tokenizer(cfg))
     names = ["finetune", "trainer", "trainer-grouped"]
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    warm_up(args, dev)
     for rep in range(args.repeats):
         for name in names if rep % 2 == 0 else list(reversed(names)):  # alternate the order too
             t = time.perf_counter()
@@ -323,8 +324,21 @@ def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": "throughput", "runs": results, "median": summary, "ratios": ratios}
 
 
+def warm_up(args: argparse.Namespace, dev: DevSet | None = None) -> None:
+    """One short discarded run of each code path: the first run in a process pays one-off costs
+    (imports, allocator and thread-pool warm-up, dataset caches) that would bias repeat 1."""
+    if args.warmup_rows <= 0:
+        return
+    run_finetune(args, args.seed, args.warmup_rows)
+    run_minimal(args, args.seed, args.warmup_rows)
+    if dev is not None:
+        run_trainer(args, args.seed, args.warmup_rows, grouped=False, dev=None)
+    gc.collect()
+
+
 def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
     ours, minimal = [], []
+    warm_up(args)
     for rep in range(args.repeats):
         pair = [("finetune", run_finetune), ("minimal", run_minimal)]
         for name, fn in pair if rep % 2 == 0 else pair[::-1]:
@@ -389,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="time-to-accuracy: seeds (median)")
     p.add_argument("--eval-every", type=int, default=25, help="time-to-accuracy: evaluate every N optimizer steps")
     p.add_argument("--with-grouped", action="store_true", help="time-to-accuracy: also Trainer with group_by_length")
+    p.add_argument("--warmup-rows", type=int, default=64, help="rows of the discarded warm-up run of each code path (0: none)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write all results here")
     p.add_argument("override", nargs="*", help="extra finetune overrides (dotted.key=value) for every contestant")
