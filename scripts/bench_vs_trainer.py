@@ -127,6 +127,17 @@ class DevSet:
 # Contestants.
 
 
+class _CpuTime:
+    """`time` with perf_counter replaced by the process CPU clock."""
+
+    def __getattr__(self, name: str) -> Any:
+        return time.process_time if name == "perf_counter" else getattr(time, name)
+
+
+def _curve_clock(args: argparse.Namespace) -> Any:
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
 def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int | None = None) -> dict[str, Any]:
     """finetune's real code path; samples/s and padding as its loop logged them."""
     import finetune.train as ft
@@ -146,6 +157,10 @@ def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int
         return evaluate(*a, **k)
 
     WindowedBatchSampler.set_epoch, ft.evaluate = mark_start, mark_end  # type: ignore[method-assign]
+    if eval_every and args.clock == "cpu":
+        # the loop times its log intervals (evaluation excluded) with time.perf_counter: hand it
+        # the process CPU clock so the curve is in CPU seconds like Trainer's
+        ft.time = _CpuTime()  # type: ignore[assignment]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ft-") as tmp:
             extra = [f"train.eval_every_steps={eval_every}", f"train.log_every_steps={eval_every}"] if eval_every else []
@@ -154,6 +169,7 @@ def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int
             rows_ = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     finally:
         WindowedBatchSampler.set_epoch, ft.evaluate = set_epoch, evaluate  # type: ignore[method-assign]
+        ft.time = time  # type: ignore[assignment]
     train_rows = [r for r in rows_ if "samples_per_s" in r]
     out: dict[str, Any] = {"accuracy": final["accuracy"]}
     if eval_every is None:
@@ -218,14 +234,15 @@ def run_trainer(args: argparse.Namespace, seed: int, rows: int, grouped: bool, d
 
         class Clock(TrainerCallback):
             def on_train_begin(self, *a: Any, **k: Any) -> None:
-                clock["t0"], clock["cpu0"] = time.perf_counter(), time.process_time()
+                clock["t0"], clock["cpu0"], clock["c0"] = time.perf_counter(), time.process_time(), _curve_clock(args)()
 
             def on_step_end(self, a: Any, state: Any, control: Any, **k: Any) -> None:
                 if eval_every and dev is not None and state.global_step % eval_every == 0:
-                    t = time.perf_counter()
+                    now = _curve_clock(args)
+                    t = now()
                     acc = dev.accuracy(model)
-                    clock["curve"].append((state.global_step, t - clock["t0"] - clock["excluded"], acc))
-                    clock["excluded"] += time.perf_counter() - t
+                    clock["curve"].append((state.global_step, t - clock["c0"] - clock["excluded"], acc))
+                    clock["excluded"] += now() - t
                     if args.target_acc is not None and acc >= args.target_acc:
                         control.should_training_stop = True
 
@@ -234,7 +251,7 @@ def run_trainer(args: argparse.Namespace, seed: int, rows: int, grouped: bool, d
 
         trainer = Trainer(model=model, args=targs, train_dataset=train_ds, data_collator=DataCollatorWithPadding(tokenizer), callbacks=[Clock()])
         trainer.train()
-        seconds = clock["t1"] - clock["t0"] - clock["excluded"]
+        seconds = clock["t1"] - clock["t0"] - (clock["excluded"] if args.clock == "wall" else 0.0)
         out: dict[str, Any] = {"samples_per_s": len(train_ds) * args.epochs / seconds, "curve": clock["curve"]}
         out["samples_per_cpu_s"] = len(train_ds) * args.epochs / (clock["cpu1"] - clock["cpu0"])
         # padding of the batches this Trainer feeds (one pass over its own dataloader, no model)
@@ -381,7 +398,7 @@ def mode_target(args: argparse.Namespace) -> dict[str, Any]:
         return statistics.median([math.inf if x is None else x for x in xs])
 
     summary = {n: med(ts) for n, ts in times.items()}
-    print(f"\nwall time to first reach {args.target_acc:.2f} dev accuracy (training only, evaluation every {args.eval_every} steps excluded), median over {args.seeds} seeds:")
+    print(f"\n{args.clock} time to first reach {args.target_acc:.2f} dev accuracy (training only, evaluation every {args.eval_every} steps excluded), median over {args.seeds} seeds:")
     for n, v in summary.items():
         print(f"{n:16s} {v:8.0f} s")
     ratio = summary["finetune"] / summary["trainer"] if summary["trainer"] not in (None, math.inf, 0) else float("nan")
@@ -402,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-acc", type=float, default=None, help="time-to-accuracy mode: the dev accuracy to reach")
     p.add_argument("--seeds", type=int, default=3, help="time-to-accuracy: seeds (median)")
     p.add_argument("--eval-every", type=int, default=25, help="time-to-accuracy: evaluate every N optimizer steps")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="time-to-accuracy: wall time, or process CPU time (robust on a shared machine; use with --threads 1)")
     p.add_argument("--with-grouped", action="store_true", help="time-to-accuracy: also Trainer with group_by_length")
     p.add_argument("--warmup-rows", type=int, default=64, help="rows of the discarded warm-up run of each code path (0: none)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
