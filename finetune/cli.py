@@ -37,6 +37,8 @@ def _cmd_plan(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.budget_gb is not None and args.budget_gb <= 0:
         raise UserError("--budget-gb must be positive")
+    if args.num_processes < 1:
+        raise UserError("--num-processes must be at least 1")
     if cfg.train.micro_batch_size == "auto" or cfg.train.batch_size is not None:
         from finetune.planner import resolve_batch
 
@@ -118,6 +120,8 @@ def _cmd_predict(argv: list[str]) -> int:
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        raise UserError("--batch-size must be at least 1")
     out = Path(args.output)
     if out.suffix.lower() not in (".jsonl", ".csv"):
         raise UserError(f"--output {out} must end in .jsonl or .csv")
@@ -184,8 +188,12 @@ COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "evaluate": _cmd_evaluate, "
 def main(argv: list[str] | None = None) -> int:
     """`finetune <command> ...`; user errors print one line and exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = f"usage: finetune {{{','.join(COMMANDS)}}} ...  (finetune COMMAND --help for its options)"
+    if argv[:1] in (["-h"], ["--help"]):  # asked for: the usage on stdout, success
+        print(usage)
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: finetune {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         return COMMANDS[argv[0]](argv[1:])

@@ -107,6 +107,7 @@ def test_evaluate_with_a_test_split(tiny_run: Path, tmp_path: Path, capsys: pyte
         (["predict", "--model", "{final}", "--input", "{tmp}/missing.txt", "--output", "{tmp}/o.jsonl"], "does not exist"),
         (["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.parquet"], "must end in .jsonl or .csv"),
         (["predict", "--model", "{final}", "--input", "{tmp}/in.csv", "--output", "{tmp}/o.csv"], "no column 'text'"),
+        (["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.jsonl", "--batch-size", "0"], "--batch-size"),
     ],
 )
 def test_cli_errors_are_one_line(tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv_tail: list[str], needle: str) -> None:
@@ -122,4 +123,14 @@ def test_cli_errors_are_one_line(tiny_run: Path, tmp_path: Path, capsys: pytest.
 def test_cli_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main([]) == 2
     assert "usage: finetune" in capsys.readouterr().err
+    assert cli_main(["--help"]) == 0  # asked for: usage on stdout, success
+    assert "usage: finetune" in capsys.readouterr().out
     assert cli_main(["frobnicate"]) == 2
+
+
+def test_plan_refuses_zero_processes(capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import TINY
+
+    assert cli_main(["plan", "--config", str(TINY), "--num-processes", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == "error: --num-processes must be at least 1"
