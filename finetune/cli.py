@@ -91,8 +91,10 @@ def _read_texts(path: Path, text_column: str) -> list[str]:
     return texts
 
 
-def predict_texts(tokenizer: Any, model: Any, texts: list[str], batch_size: int = 64, max_length: int = 512) -> list[dict[str, Any]]:
-    """Label and per-label probabilities for each text, in input order."""
+def predict_texts(
+    tokenizer: Any, model: Any, texts: list[str], batch_size: int = 64, max_length: int = 512, pairs: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Label and per-label probabilities for each text (with its `pairs` entry, as in training), in input order."""
     import torch
 
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
@@ -103,7 +105,8 @@ def predict_texts(tokenizer: Any, model: Any, texts: list[str], batch_size: int 
     with torch.no_grad():
         for s in range(0, len(order), batch_size):
             idx = order[s : s + batch_size]
-            enc = tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            second = [pairs[i] for i in idx] if pairs is not None else None
+            enc = tokenizer([texts[i] for i in idx], second, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
             probs = model(**enc).logits.float().softmax(-1)
             for row, i in enumerate(idx):
                 p = probs[row].tolist()
@@ -162,7 +165,8 @@ def _cmd_evaluate(argv: list[str]) -> int:
     for split, ds in (("validation", raw.validation), ("test", raw.test)):
         if ds is None:
             continue
-        preds = predict_texts(tokenizer, model, ds["text"][:], max_length=cfg.data.max_length)
+        pairs = ds["text_pair"][:] if "text_pair" in ds.column_names else None  # data.text_pair_column
+        preds = predict_texts(tokenizer, model, ds["text"][:], max_length=cfg.data.max_length, pairs=pairs)
         y_pred = [names.index(p["label"]) for p in preds]
         y_true = [names.index(raw.raw_to_name[v]) for v in ds["label"][:]]
         result[split] = classification_metrics(y_true, y_pred, names)

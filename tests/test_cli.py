@@ -134,3 +134,22 @@ def test_plan_refuses_zero_processes(capsys: pytest.CaptureFixture[str]) -> None
     assert cli_main(["plan", "--config", str(TINY), "--num-processes", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0] == "error: --num-processes must be at least 1"
+
+
+def test_predict_texts_feeds_text_pairs(tiny_run: Path) -> None:
+    # `finetune evaluate` on a data.text_pair_column config: each text goes in with its pair, as in training
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from finetune.cli import predict_texts
+
+    tok = AutoTokenizer.from_pretrained(tiny_run / "final")
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_run / "final").eval()
+    pairs = ["a second sentence", "and another one", "short", "the pair of the last text , longer"]
+    with_pairs = predict_texts(tok, model, TEXTS, batch_size=3, pairs=pairs)
+    alone = predict_texts(tok, model, TEXTS, batch_size=3)
+    for text, pair, row, single in zip(TEXTS, pairs, with_pairs, alone):
+        with torch.no_grad():
+            expected = model(**tok(text, pair, return_tensors="pt")).logits.softmax(-1)[0].tolist()
+        assert list(row["probabilities"].values()) == pytest.approx(expected, abs=1e-5)
+        assert list(single["probabilities"].values()) != pytest.approx(expected, abs=1e-7)
