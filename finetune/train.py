@@ -358,6 +358,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             ckpt.trim_metrics(run_dir / "metrics.jsonl", step)  # the steps after the checkpoint are logged again
         logger.info(f"resumed from {resume_from} at step {step} (epoch {epoch}, {batches_done} batches in)")
 
+    # resuming a run that had finished: its final evaluation row and checkpoint are on disk already
+    was_finished = finished
     metrics_file = run_dir / "metrics.jsonl"
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
     # running sums since the last log line, kept on device: no host sync inside the step
@@ -519,7 +521,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
         final["test"] = evaluate(model, test_loader, accelerator, data.label_names)
     if accelerator.is_main_process:
         row = {"step": step}
-        if eval_loader is not None:
+        if eval_loader is not None and not was_finished:
             row.update(eval_accuracy=final["accuracy"], eval_macro_f1=final["macro_f1"], eval_loss=final["loss"])
             row.update(monitor.fields())
             with metrics_file.open("a") as f:
@@ -530,7 +532,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
     if test_loader is not None:
         accelerator.log({"test_accuracy": final["test"]["accuracy"], "test_macro_f1": final["test"]["macro_f1"]}, step=step)
     finished = True
-    if cfg.checkpoint.every_steps:
+    if cfg.checkpoint.every_steps and not was_finished:
         save(step)
     memmon.close()
     if cfg.checkpoint.export == "best":

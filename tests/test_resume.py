@@ -240,6 +240,11 @@ def test_early_stopping_export_best_and_rotation(tmp_path: Path, data_dir: Path,
     # export=best: final/ holds the best checkpoint's weights
     final, chosen = load_file(run / "final" / "model.safetensors"), load_file(best_dir / "model.safetensors")
     assert all(bool((final[k] == chosen[k]).all()) for k in chosen)
-    # a resume of the finished run does not train further
+    # a resume of the finished run does not train further, nor log or checkpoint its end again
+    metrics_before = (run / "metrics.jsonl").read_text()
+    manifest = ckpt.checkpoint_dir(run, stop) / ckpt.MANIFEST
+    manifest_before = manifest.read_text()
     assert main(["--config", str(cfg), "checkpoint.resume=auto"]) == 0
     assert max(_losses(run)) == stop
+    assert (run / "metrics.jsonl").read_text() == metrics_before
+    assert manifest.read_text() == manifest_before
