@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,10 @@ def add_lora(model: PreTrainedModel, lora: Any) -> Any:
         target_modules=list(lora.target_modules),
         modules_to_save=heads,
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing`: one FutureWarning per run, not the user's to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def exportable(model: torch.nn.Module) -> PreTrainedModel:

@@ -69,6 +69,15 @@ def test_lora_trains_adapters_and_the_full_head_and_exports_merged(tmp_path: Pat
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_lora_wrapping_prints_no_library_warning() -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _model("model.lora={r: 4}")
+    assert not [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)]
+
+
 def test_lora_bad_target_module_is_a_user_error() -> None:
     with pytest.raises(UserError, match="target_modules"):
         _model("model.lora={target_modules: [q_proj]}")
