@@ -438,6 +438,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 model.zero_grad(set_to_none=True)  # drop the window's partial gradients
                 win_loss.zero_(), win_samples.zero_()
                 micro, G, batches_done = oom.shrink(micro, G, batches_done)
+                memmon.config_summary.update(micro_batch_size=micro, gradient_accumulation_steps=G)  # memory.json says what runs
                 if hasattr(loader, "end"):
                     loader.end()  # leave Accelerate's end-of-dataloader tracking to the new loader
                 train_loader, sampler = rebuild_train_loader(accelerator, data, tokenizer, cfg, micro, G)

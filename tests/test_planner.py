@@ -197,6 +197,8 @@ def test_injected_oom_redoes_the_window_at_half_the_micro_batch(tiny_config: Cal
     assert main(["--config", str(a)]) == 143  # preempted after step 5, checkpoint written
     progress = json.loads(sorted((tmp_path / "run" / "checkpoints").glob("step_*/progress.json"))[-1].read_text())
     assert (progress["step"], progress["micro_batch_size"], progress["gradient_accumulation_steps"]) == (5, 8, 4)
+    report = json.loads(sorted((tmp_path / "run" / "checkpoints").glob("step_*/memory.json"))[-1].read_text())
+    assert (report["config"]["micro_batch_size"], report["config"]["gradient_accumulation_steps"]) == (8, 4)
     monkeypatch.delenv("FINETUNE_FAULT")
     assert main(["--config", str(a), "checkpoint.resume=auto"]) == 0
     log = (tmp_path / "run" / "train.log").read_text()
