@@ -259,8 +259,6 @@ class Config(_Section):
                     f"train.batch_size={t.batch_size} must equal train.micro_batch_size ({t.micro_batch_size}) x "
                     f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if 'gradient_accumulation_steps' in given else 'derived'}) x processes"
                 )
-        if self.model.lora is not None and self.model.freeze_embeddings:
-            pass  # compatible: LoRA freezes the base anyway
         return self
 
     def resolved_path(self, path: str | None) -> Path | None:
