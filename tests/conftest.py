@@ -28,6 +28,19 @@ DATA_DIR = Path(os.environ.get("FINETUNE_DATA_DIR") or ROOT.parent / "shared" / 
 os.environ["FINETUNE_DATA_DIR"] = str(DATA_DIR)
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Any:
+    """One intra-op thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): on a
+    shared 2-core machine OpenMP threads spin-waiting for a descheduled sibling make small runs
+    several times slower (results are compared only within this setting)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     """The real data directory (env FINETUNE_DATA_DIR, default <repo>/../shared/data); skip when absent."""

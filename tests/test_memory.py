@@ -18,15 +18,7 @@ from finetune.cli import main as cli_main
 from finetune.train import main as train_main
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    """One intra-op thread: on a shared 2-core machine OpenMP threads spin-waiting for a
-    descheduled sibling make these small runs several times slower (results are compared
-    only within this setting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _nbytes(tensors: object) -> int:

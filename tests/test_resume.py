@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from conftest import ROOT, write_tiny_config
 from safetensors.torch import load_file
 
@@ -34,15 +33,7 @@ RUN = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    """One intra-op thread: on a shared 2-core machine OpenMP threads spin-waiting for a
-    descheduled sibling make these small runs several times slower (results are compared
-    only within this setting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _config(directory: Path, extra: dict[str, Any] | None = None) -> Path:
