@@ -79,12 +79,16 @@ class _Section(BaseModel):
 
 
 class RunConfig(_Section):
+    """`run`: where the run writes, its seed, and whether a non-empty output directory may be replaced."""
+
     output_dir: str
     seed: int = 42
     overwrite: bool = False
 
 
 class LoraConfig(_Section):
+    """`model.lora`: peft LoRA adapters (rank, scale, dropout, the modules they wrap)."""
+
     r: PositiveInt = 8
     alpha: PositiveFloat = 16.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -92,6 +96,8 @@ class LoraConfig(_Section):
 
 
 class ModelConfig(_Section):
+    """`model`: pretrained model or from-scratch architecture, tokenizer, memory switches, compile."""
+
     name_or_path: str | None = "minilm-l6"
     architecture: dict[str, Any] | None = None
     tokenizer: str | None = None
@@ -114,6 +120,8 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
+    """`data`: files or hub dataset, how to parse them, columns, labels, lengths and slices."""
+
     data_dir: str | None = None
     train_file: str | None = None
     validation_file: str | None = None
@@ -175,6 +183,8 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """`train`: length, batch sizes, optimizer, schedule, clipping, logging/eval intervals, early stopping."""
+
     epochs: PositiveFloat = 3
     max_steps: PositiveInt | None = None
     micro_batch_size: Union[PositiveInt, Literal["auto"]] = 32
@@ -198,6 +208,8 @@ class TrainConfig(_Section):
 
 
 class PrecisionConfig(_Section):
+    """`precision`: fp32 / fp16 / bf16 / bf16-true and the numerical safeguards that go with them."""
+
     mode: Literal["fp32", "fp16", "bf16", "bf16-true"] = "fp32"
     fp32_norms: bool | None = None  # None: on for bf16-true, off otherwise
     norm_class_names: list[str] = []
@@ -208,6 +220,8 @@ class PrecisionConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    """`checkpoint`: interval, resume, rotation, best metric and what `final/` holds."""
+
     every_steps: PositiveInt | None = None
     resume: str | None = None  # auto | <path> | null
     keep_last: PositiveInt = 2
@@ -222,11 +236,15 @@ class CheckpointConfig(_Section):
 
 
 class MemoryConfig(_Section):
+    """`memory`: the budget the planner fits into, and CUDA allocator history recording."""
+
     budget_gb: PositiveFloat | None = None
     record_history: bool = False
 
 
 class LogConfig(_Section):
+    """`log`: Accelerate trackers to log to."""
+
     trackers: list[Literal["tensorboard"]] = []
 
 
