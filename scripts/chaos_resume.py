@@ -94,6 +94,7 @@ def newest_complete(run: Path) -> int:
 
 
 def max_abs_diff(a: Path, b: Path) -> float:
+    """Largest absolute difference between two safetensors files with the same keys."""
     from safetensors.torch import load_file
 
     wa, wb = load_file(a), load_file(b)
@@ -102,6 +103,7 @@ def max_abs_diff(a: Path, b: Path) -> float:
 
 
 def main() -> int:
+    """Reference run, then the SIGKILL/resume loop; writes chaos.json; 0 when every resume worked and the weights match."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "sst2-minilm.yaml"))
     parser.add_argument("--kills", type=int, default=20)
