@@ -35,6 +35,7 @@ def one_run(mode: str, seed: int, args: argparse.Namespace, out_dir: Path) -> di
         f"run.output_dir={run_dir}", "run.overwrite=true", f"run.seed={seed}", f"precision.mode={real_mode}",
         f"data.max_train_samples={args.train_samples}", f"train.max_steps={args.steps}", f"train.learning_rate={args.lr}",
         f"train.micro_batch_size={args.batch_size}", "train.eval_every_steps=null", "checkpoint.every_steps=null",
+        f"data.max_eval_samples={args.eval_samples}", f"data.max_length={args.max_length}",
         *extra,
     ]
     t0 = time.perf_counter()
@@ -54,6 +55,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--eval-samples", type=int, default=872, help="first N dev rows (872 = all)")
+    ap.add_argument("--max-length", type=int, default=64)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_precision_accuracy"))
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_precision_accuracy.json")
     args = ap.parse_args()
@@ -63,8 +66,8 @@ def main() -> None:
             r = one_run(mode, seed, args, args.work)
             results[mode].append({"seed": seed, **r})
             print(f"seed {seed} {mode}: accuracy {r['accuracy']:.4f} loss {r['loss']:.4f} ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    print(f"\nSST-2 dev (872), all-MiniLM-L6-v2, {args.steps} steps x batch {args.batch_size} from the first "
-          f"{args.train_samples} training rows, lr {args.lr:g}, seeds {args.seeds}")
+    print(f"\nSST-2 dev (first {args.eval_samples} of 872), all-MiniLM-L6-v2, {args.steps} steps x batch {args.batch_size} from "
+          f"{args.train_samples} training rows, max_length {args.max_length}, lr {args.lr:g}, seeds {args.seeds}")
     print("| mode | median dev accuracy | per seed | median dev loss | median wall s |")
     print("|---|---|---|---|---|")
     for mode, rows in results.items():
