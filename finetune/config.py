@@ -225,7 +225,8 @@ class CheckpointConfig(_Section):
     every_steps: PositiveInt | None = None
     resume: str | None = None  # auto | <path> | null
     keep_last: PositiveInt = 2
-    best_metric: str = "accuracy"  # an evaluation metric (accuracy, macro_f1, loss: lower is better)
+    # an evaluation metric (loss: lower is better), checked here so a typo fails before training, not after
+    best_metric: Literal["accuracy", "macro_f1", "loss"] = "accuracy"
     export: Literal["last", "best"] = "last"  # what final/ holds
 
     @model_validator(mode="after")

@@ -181,3 +181,11 @@ def test_integer_labels_in_label_map_and_labels(tmp_path: Path) -> None:
     assert cfg.data.label_map == {"0": "negative", "1": "positive"}
     cfg = load_config(path, ["data.label_map=null", "data.labels=[0, 1]"])
     assert cfg.data.labels == ["0", "1"]
+
+
+def test_unknown_best_metric_fails_before_training() -> None:
+    from conftest import TINY
+
+    with pytest.raises(UserError, match=r"checkpoint\.best_metric: .*'accuracy'.*'macro_f1'.*'loss'.*\(got 'acc'\)"):
+        load_config(TINY, ["checkpoint.best_metric=acc"])
+    assert load_config(TINY, ["checkpoint.best_metric=loss"]).checkpoint.best_metric == "loss"
