@@ -470,9 +470,8 @@ def _rows(run: Path) -> list[dict[str, Any]]:
 
 
 def test_train_bf16_true_audit_files_and_checkpoint_dtypes(tiny_config: Callable[..., Path]) -> None:
-    # accumulation 1: with 2, memory.py's MemTracker sample currently fails in bf16-true (not precision's code)
-    cfg = tiny_config({"precision.mode": "bf16-true", "data.max_train_samples": 64, "train.gradient_accumulation_steps": 1,
-                       "train.max_steps": 2, "checkpoint.every_steps": 2, "data.max_eval_samples": 16})
+    cfg = tiny_config({"precision.mode": "bf16-true", "data.max_train_samples": 96, "train.max_steps": 2,
+                       "checkpoint.every_steps": 2, "data.max_eval_samples": 16})
     assert main(["--config", str(cfg)]) == 0
     run = cfg.parent / "run"
     audit = json.loads((run / "dtype_audit.json").read_text())
