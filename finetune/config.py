@@ -206,6 +206,13 @@ class TrainConfig(_Section):
     nonfinite: Literal["stop", "skip"] = "stop"
     early_stopping_patience: PositiveInt | None = None
 
+    @model_validator(mode="after")
+    def _patience(self) -> "TrainConfig":
+        # patience counts periodic evaluations: without them the run would silently never stop early
+        if self.early_stopping_patience is not None and self.eval_every_steps is None:
+            raise ValueError("train.early_stopping_patience counts evaluations: set train.eval_every_steps")
+        return self
+
 
 class PrecisionConfig(_Section):
     """`precision`: fp32 / fp16 / bf16 / bf16-true and the numerical safeguards that go with them."""

@@ -189,3 +189,11 @@ def test_unknown_best_metric_fails_before_training() -> None:
     with pytest.raises(UserError, match=r"checkpoint\.best_metric: .*'accuracy'.*'macro_f1'.*'loss'.*\(got 'acc'\)"):
         load_config(TINY, ["checkpoint.best_metric=acc"])
     assert load_config(TINY, ["checkpoint.best_metric=loss"]).checkpoint.best_metric == "loss"
+
+
+def test_early_stopping_needs_periodic_evaluation() -> None:
+    from conftest import TINY
+
+    with pytest.raises(UserError, match=r"early_stopping_patience counts evaluations: set train.eval_every_steps"):
+        load_config(TINY, ["train.early_stopping_patience=2", "train.eval_every_steps=null"])
+    assert load_config(TINY, ["train.early_stopping_patience=2"]).train.early_stopping_patience == 2  # tiny-debug evaluates every 4 steps
