@@ -392,7 +392,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                                     keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.best_metric, files={"config.yaml": dump_config(cfg), "eval.json": json.dumps(last_eval, indent=2),
                              "dtype_audit.json": audit_json(dtype_audit(accelerator.unwrap_model(model), prec.mode, prec.fp32_norms, norm_names=norm_names))})
 
-    memmon.begin_sample(step)  # a resumed run samples its first window (the optimizer state exists)
+    if step < total_steps and not finished:
+        memmon.begin_sample(step)  # a resumed run samples its first window (the optimizer state exists)
     oom = OutOfMemoryGuard()
     model.train()
     while step < total_steps and epoch < num_epochs and not finished:
@@ -498,9 +499,9 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             if patience and best.get("bad_evals", 0) >= patience:
                 logger.info(f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} evaluations")
                 finished = True
-            memmon.begin_sample(step)
             if step >= total_steps or finished:
                 break
+            memmon.begin_sample(step)  # not after the last step: evaluation and export run untracked
         else:
             epoch, batches_done = epoch + 1, 0
             release_cached_memory(prec.empty_cache, accelerator.device)

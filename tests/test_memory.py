@@ -160,3 +160,21 @@ def test_cuda_report_from_the_allocator_counters(monkeypatch: pytest.MonkeyPatch
     assert rep["peak_bytes"] == 900 and rep["activations_bytes"] == 900 - 80 - 80 - 0
     assert rep["breakdown_method"].startswith("measured CUDA peak")
     assert "summary text" in mem.format_markdown(rep)
+
+
+def test_no_memtracker_around_the_final_evaluation(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # one optimizer step: the sample must not start after it and wrap the final evaluation and export
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    import finetune.train as train_mod
+
+    real_evaluate, modes = train_mod.evaluate, []
+
+    def evaluate(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        modes.append(_get_current_dispatch_mode())
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    cfg = write_tiny_config(tmp_path, {"data.max_train_samples": 32, "data.max_eval_samples": 16, "train.max_steps": 1})
+    assert train_main(["--config", str(cfg)]) == 0
+    assert modes == [None]
