@@ -95,6 +95,9 @@ def check_output_dir(cfg: Config) -> Path:
         raise UserError(f"run.output_dir {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and cfg.checkpoint.resume is None and not cfg.run.overwrite:
         raise UserError(f"run.output_dir {out} is not empty; set run.overwrite=true or checkpoint.resume=auto")
+    if out.is_dir() and any(out.iterdir()) and cfg.run.overwrite and not (out / "config.yaml").is_file():
+        # overwrite deletes the whole directory: only ever a run's own (`run.output_dir=.` or a parent of runs would go too)
+        raise UserError(f"run.output_dir {out} is not empty and holds no finetune run (no config.yaml); run.overwrite=true only replaces a run directory")
     return out
 
 

@@ -194,8 +194,17 @@ def test_overwrite_keeps_old_results_when_the_input_is_bad(case, capsys) -> None
     # run.overwrite=true clears the directory only once every input has been checked
     cfg, out = case(data={"val.csv": GOOD_VAL + "so-so,neutral\n"})
     out.mkdir()
+    (out / "config.yaml").write_text("{}")  # an earlier run
     (out / "eval.json").write_text("{}")
-    _expect_error(["--config", str(cfg), "run.overwrite=true"], out, capsys, "val.csv", "'neutral'", before=["eval.json"])
+    _expect_error(["--config", str(cfg), "run.overwrite=true"], out, capsys, "val.csv", "'neutral'", before=["config.yaml", "eval.json"])
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(case, capsys) -> None:
+    # run.overwrite=true deletes the directory: never one that holds anything but a run (e.g. run.output_dir=.)
+    cfg, out = case()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    _expect_error(["--config", str(cfg), "run.overwrite=true"], out, capsys, str(out), "no config.yaml", before=["notes.txt"])
 
 
 def test_hub_model_offline(data_dir: Path, capsys, tmp_path: Path) -> None:
