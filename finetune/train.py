@@ -565,10 +565,14 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
     # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the full state dict is a collective
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        ckpt.remove_tree(out)
+        # written beside it, then renamed: a kill during the export never leaves a half-written final/
+        tmp = out.with_name(f"{ckpt.TMP_PREFIX}{out.name}")
+        ckpt.remove_tree(tmp)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
-        tokenizer.save_pretrained(out)
+        unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        ckpt.remove_tree(out)
+        tmp.rename(out)
     accelerator.wait_for_everyone()
 
 

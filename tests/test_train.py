@@ -258,3 +258,31 @@ def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
     assert {"loss", "lr", "eval_accuracy", "test_accuracy"} <= tags, tags
+
+
+def test_export_is_atomic(tmp_path: Path) -> None:
+    # a failure half way through the export leaves the previous final/ as it was, never a mix
+    from accelerate import Accelerator
+
+    from finetune.model import build_model, build_tokenizer
+
+    cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}"])
+    tok = build_tokenizer(cfg)
+    model = build_model(cfg, ["negative", "positive"], tok)
+    out = tmp_path / "final"
+    accelerator = Accelerator(cpu=True)
+    train_mod.export_final(accelerator, model, tok, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    class BrokenTokenizer:
+        def save_pretrained(self, path: Any) -> None:
+            raise OSError("disk full")
+
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # a different export
+    with pytest.raises(OSError, match="disk full"):
+        train_mod.export_final(accelerator, model, BrokenTokenizer(), out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    train_mod.export_final(accelerator, model, tok, out)  # the leftover temporary does not get in the way
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
