@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # `python finetune/train.py` / `accelerate launch
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+import transformers
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -569,7 +570,13 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         tmp = out.with_name(f"{ckpt.TMP_PREFIX}{out.name}")
         ckpt.remove_tree(tmp)
         unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # no "Writing model shards 1/1" bar after the run
+        try:
+            unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)
         ckpt.remove_tree(out)
         tmp.rename(out)

@@ -260,7 +260,7 @@ def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -
     assert {"loss", "lr", "eval_accuracy", "test_accuracy"} <= tags, tags
 
 
-def test_export_is_atomic(tmp_path: Path) -> None:
+def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # a failure half way through the export leaves the previous final/ as it was, never a mix
     from accelerate import Accelerator
 
@@ -272,6 +272,7 @@ def test_export_is_atomic(tmp_path: Path) -> None:
     out = tmp_path / "final"
     accelerator = Accelerator(cpu=True)
     train_mod.export_final(accelerator, model, tok, out)
+    assert "Writing model shards" not in capfd.readouterr().err  # no progress bar for a sub-second save
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     class BrokenTokenizer:
