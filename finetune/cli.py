@@ -81,6 +81,8 @@ def _read_texts(path: Path, text_column: str) -> list[str]:
         elif suffix in (".jsonl", ".json"):
             lines = path.read_text(encoding="utf-8").splitlines()
             records = [json.loads(x) for x in lines if x.strip()] if suffix == ".jsonl" else json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(records, list):  # a .json object would give its keys as texts
+                raise UserError(f"--input {path}: a .json input must be a list of texts or of records with {text_column!r}")
             texts = [r[text_column] if isinstance(r, dict) else str(r) for r in records]
         else:
             texts = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]

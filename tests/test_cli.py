@@ -108,11 +108,13 @@ def test_evaluate_with_a_test_split(tiny_run: Path, tmp_path: Path, capsys: pyte
         (["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.parquet"], "must end in .jsonl or .csv"),
         (["predict", "--model", "{final}", "--input", "{tmp}/in.csv", "--output", "{tmp}/o.csv"], "no column 'text'"),
         (["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.jsonl", "--batch-size", "0"], "--batch-size"),
+        (["predict", "--model", "{final}", "--input", "{tmp}/in.json", "--output", "{tmp}/o.jsonl"], "must be a list"),
     ],
 )
 def test_cli_errors_are_one_line(tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv_tail: list[str], needle: str) -> None:
     (tmp_path / "in.txt").write_text("hello\n")
     (tmp_path / "in.csv").write_text("review\nhello\n")
+    (tmp_path / "in.json").write_text('{"text": "hello"}')
     argv = [a.format(tmp=tmp_path, final=tiny_run / "final") for a in argv_tail]
     capsys.readouterr()
     assert cli_main(argv) == 2
