@@ -413,7 +413,10 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     """Result-changing keys (dotted) whose values differ between two resolved configs."""
     a, b = _flatten(saved), _flatten(current)
     keys = sorted(set(a) | set(b))
-    return [k for k in keys if k not in HARMLESS_KEYS and a.get(k) != b.get(k)]
+    harmless = HARMLESS_KEYS
+    if a.get("train.early_stopping_patience") is not None or b.get("train.early_stopping_patience") is not None:
+        harmless = harmless - {"train.eval_every_steps"}  # evaluations decide the step where training stops
+    return [k for k in keys if k not in harmless and a.get(k) != b.get(k)]
 
 
 def _resolved_config(path: Path) -> dict[str, Any]:

@@ -170,6 +170,9 @@ def test_config_compatibility(tmp_path: Path) -> None:
     assert ckpt.config_differences(base, _cfg(tmp_path, train__learning_rate=1e-3)) == ["train.learning_rate"]
     assert ckpt.config_differences(base, _cfg(tmp_path, run__seed=2, data__max_length=64)) == ["data.max_length", "run.seed"]
     assert ckpt.config_differences(base, _cfg(tmp_path, precision__mode="bf16")) == ["precision.mode"]
+    # with early stopping the evaluation interval decides where training ends: no longer harmless
+    stopping = _cfg(tmp_path, train__early_stopping_patience=2, train__eval_every_steps=4)
+    assert ckpt.config_differences(stopping, _cfg(tmp_path, train__early_stopping_patience=2, train__eval_every_steps=8)) == ["train.eval_every_steps"]
     assert ckpt.config_differences(base, _cfg(tmp_path, model__architecture={"model_type": "bert"}, model__tokenizer="t")) == ["model.architecture", "model.tokenizer"]
     # a checkpoint whose config lacks a key added later compares with the key's default
     path = tmp_path / "ck"
