@@ -231,6 +231,8 @@ def provenance(cfg: Config, files: dict[str, Path]) -> dict[str, Any]:
 
 def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
     """Log to stderr on the main process (and to train.log in the run directory)."""
+    for handler in logger.handlers:
+        handler.close()  # the previous run's train.log (in-process runs: tests, notebooks) is not left open
     logger.handlers.clear()
     logger.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
     logger.propagate = False

@@ -287,3 +287,17 @@ def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> 
     train_mod.export_final(accelerator, model, tok, out)  # the leftover temporary does not get in the way
     assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_setup_logging_closes_the_previous_log_file(tmp_path: Path) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    acc: Any = SimpleNamespace(is_main_process=True)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    train_mod.setup_logging(acc, tmp_path / "a")
+    first = [h for h in train_mod.logger.handlers if isinstance(h, logging.FileHandler)]
+    train_mod.setup_logging(acc, tmp_path / "b")
+    assert len(first) == 1 and first[0].stream is None  # closed, not leaked
+    assert [h.baseFilename for h in train_mod.logger.handlers if isinstance(h, logging.FileHandler)] == [str(tmp_path / "b" / "train.log")]
+    train_mod.setup_logging(acc, None)
