@@ -493,12 +493,13 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 accelerator.log({k: v for k, v in eval_row.items() if k != "step"}, step=step)
                 bar.write(f"step {step}: eval accuracy {last_eval['accuracy']:.4f}, macro-F1 {last_eval['macro_f1']:.4f}")
                 t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
+            saved = None
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < total_steps:
-                save(step)
+                saved = save(step)
             stop_signal = guard.requested(accelerator)
             if stop_signal is not None:  # preemption: checkpoint this step, then exit 143 (SIGTERM) / 130 (SIGINT)
                 bar.close()
-                path = save(step)
+                path = saved or save(step)  # not a second save of the same step inside the grace period
                 accelerator.end_training()  # flush the trackers (TensorBoard) before exiting
                 raise ckpt.Preempted(stop_signal, step, path)
             patience = cfg.train.early_stopping_patience

@@ -239,3 +239,19 @@ def test_early_stopping_export_best_and_rotation(tmp_path: Path, data_dir: Path,
     assert max(_losses(run)) == stop
     assert (run / "metrics.jsonl").read_text() == metrics_before
     assert manifest.read_text() == manifest_before
+
+
+def test_preemption_at_a_checkpoint_step_saves_once(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SIGTERM at step 3 with checkpoint.every_steps=3: the periodic checkpoint is the preemption one
+    steps: list[int] = []
+    real_save = ckpt.save_checkpoint
+
+    def save(*args: Any, **kwargs: Any) -> Path:
+        steps.append(args[2])
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save)
+    monkeypatch.setenv(ckpt.FAULT_ENV, "sigterm_at_step:3")
+    assert main(["--config", str(_config(tmp_path))]) == 143
+    assert steps == [3]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_00000003"]
