@@ -103,8 +103,12 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
             dtype=torch.float32,
         )
     if m.gradient_checkpointing:
-        # non-reentrant: works with frozen inputs and under torch.compile
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # non-reentrant: works with frozen inputs and under torch.compile. transformers 5 renamed the
+        # method (the old name prints a FutureWarning on every run); older releases only have the old one
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if m.freeze_embeddings:
         freeze_embeddings(model)

@@ -69,13 +69,14 @@ def test_lora_trains_adapters_and_the_full_head_and_exports_merged(tmp_path: Pat
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_lora_wrapping_prints_no_library_warning() -> None:
+def test_lora_and_checkpointing_print_no_library_warning() -> None:
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _model("model.lora={r: 4}")
-    assert not [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)]
+        model, _ = _model("model.lora={r: 4}", "model.gradient_checkpointing=true")
+    assert not [str(w.message) for w in caught if "checkpointing" in str(w.message)]
+    assert model.base_model.model.bert.encoder.layer[0].gradient_checkpointing  # still switched on
 
 
 def test_lora_bad_target_module_is_a_user_error() -> None:
