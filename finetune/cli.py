@@ -104,8 +104,11 @@ def predict_texts(
     max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding
     out: list[dict[str, Any] | None] = [None] * len(texts)
+    from tqdm.auto import tqdm
+
+    starts = range(0, len(order), batch_size)
     with torch.no_grad():
-        for s in range(0, len(order), batch_size):
+        for s in tqdm(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
             idx = order[s : s + batch_size]
             second = [pairs[i] for i in idx] if pairs is not None else None
             enc = tokenizer([texts[i] for i in idx], second, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
