@@ -205,8 +205,8 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: 
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
 
 
-def provenance(cfg: Config, files: dict[str, Path]) -> dict[str, Any]:
-    """Library versions, git commit and data-file hashes."""
+def provenance(files: dict[str, Path], data_sha256: dict[str, str]) -> dict[str, Any]:
+    """Library versions, git commit and data-file hashes (computed once, also used for resume checks)."""
     import accelerate
     import datasets
     import transformers
@@ -224,7 +224,7 @@ def provenance(cfg: Config, files: dict[str, Path]) -> dict[str, Any]:
         "accelerate": accelerate.__version__,
         "datasets": datasets.__version__,
         "git_commit": commit,
-        "data_files": {split: {"path": str(p), "sha256": file_sha256(p)} for split, p in files.items()},
+        "data_files": {split: {"path": str(p), "sha256": data_sha256[split]} for split, p in files.items()},
         "command": sys.argv,
     }
 
@@ -322,7 +322,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             ckpt.trim_metrics(run_dir / "metrics.jsonl", 0)  # a restart of this config logs from step 0 again
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "labels.json").write_text(json.dumps(data.label_names))
-        (run_dir / "provenance.json").write_text(json.dumps(provenance(cfg, data.files), indent=2))
+        (run_dir / "provenance.json").write_text(json.dumps(provenance(data.files, data_sha256), indent=2))
         (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=2))
         (run_dir / "dtype_audit.json").write_text(audit_json(audit))
     accelerator.wait_for_everyone()
