@@ -581,6 +581,14 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
             if bars:
                 transformers.utils.logging.enable_progress_bar()
         tokenizer.save_pretrained(tmp)
+        # bf16-true weights are saved as trained (bf16, norms fp32), but a config saying "bfloat16"
+        # makes from_pretrained/pipeline cast the fp32 norms down to bf16 on load. "float32" makes
+        # loaders upcast everything instead, which is lossless.
+        config_file = tmp / "config.json"
+        config_json = json.loads(config_file.read_text())
+        if config_json.get("dtype") not in (None, "float32"):
+            config_json["dtype"] = "float32"
+            config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         ckpt.remove_tree(out)
         tmp.rename(out)
     accelerator.wait_for_everyone()

@@ -483,6 +483,11 @@ def test_train_bf16_true_audit_files_and_checkpoint_dtypes(tiny_config: Callable
         assert {k for k, v in sd.items() if v.dtype == torch.float32} == {k for k in sd if "LayerNorm" in k}
         assert all(v.dtype == torch.bfloat16 for k, v in sd.items() if "LayerNorm" not in k and v.is_floating_point())
     assert "dtype audit (bf16-true" in (run / "train.log").read_text()
+    # loading final/ must not cast the fp32 norms down: its config asks loaders for float32 (lossless upcast)
+    from transformers import AutoModelForSequenceClassification
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(run / "final")
+    assert {p.dtype for n, p in loaded.named_parameters() if "LayerNorm" in n} == {torch.float32}
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
