@@ -148,6 +148,9 @@ class DataConfig(_Section):
     max_train_samples: PositiveInt | None = None
     max_eval_samples: PositiveInt | None = None
     group_by_length: bool = True
+    # several training sequences per row with block-diagonal attention (BERT/RoBERTa-family encoders);
+    # evaluation and prediction stay unpacked
+    packing: bool = False
     num_workers: int = Field(0, ge=0)
 
     @field_validator("labels", "label_map", mode="before")
@@ -285,6 +288,13 @@ class Config(_Section):
                     f"train.batch_size={t.batch_size} must equal train.micro_batch_size ({t.micro_batch_size}) x "
                     f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if 'gradient_accumulation_steps' in given else 'derived'}) x processes"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _packing(self) -> "Config":
+        if self.data.packing and self.model.compile:
+            # a packed batch's rows and capacity change every step; the pooling hook is per batch
+            raise ValueError("data.packing and model.compile do not go together yet: turn one off")
         return self
 
     def resolved_path(self, path: str | None) -> Path | None:

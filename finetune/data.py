@@ -508,8 +508,90 @@ class Collator:
         return batch
 
 
-def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_batch_size: int, accumulation: int, num_processes: int) -> tuple[DataLoader, WindowedBatchSampler]:
-    """The training DataLoader over global micro-batches, and its sampler (for set_epoch)."""
+def pack_rows(lengths: list[int], max_length: int, attention_cost: float) -> tuple[int, list[tuple[int, int]]]:
+    """Place sequences of `lengths` into rows: (row capacity, [(row, offset)] per sequence).
+
+    First-fit decreasing into rows of capacity C, with C chosen among multiples of the longest
+    sequence (up to `max_length`), and rows padded to the fullest one (width W), to minimise the
+    modelled cost rows x W x (1 + attention_cost x W):
+    the per-token work of the linear layers is fixed, the attention's grows with the row length,
+    so packing short sequences into long rows is not free (`attention_cost` = 1 / (2 hidden +
+    intermediate) for a Transformer encoder layer).
+    """
+    longest = max(lengths)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    best: tuple[float, int, list[tuple[int, int]]] | None = None
+    for capacity in sorted({min(longest * k, max(max_length, longest)) for k in range(1, len(lengths) + 1)}):
+        free: list[int] = []  # free tokens per row
+        place: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+        for i in order:
+            row = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
+            if row is None:
+                free.append(capacity)
+                row = len(free) - 1
+            place[i] = (row, capacity - free[row])
+            free[row] -= lengths[i]
+        width = capacity - min(free)  # the fullest row: rows are padded to it, not to the capacity
+        cost = len(free) * width * (1.0 + attention_cost * width)
+        if best is None or cost < best[0]:
+            best = (cost, width, place)
+    assert best is not None
+    return best[1], best[2]
+
+
+class PackingCollator(Collator):
+    """Training batches with several sequences per row and block-diagonal attention.
+
+    Output: `input_ids`, `token_type_ids`, `position_ids` (restarting at 0 for every sequence)
+    and `segment_ids` (1.. per sequence in its row, 0 on padding) of shape (rows, C); `cls_index`
+    (one flat index into rows x C per sequence, in sample order, where its first token sits);
+    `sequence_lengths`; labels, weights and window size per sequence as in `Collator`. The model
+    side (`finetune.model.packed_logits`) turns `segment_ids` into the attention mask and pools
+    at `cls_index`, so the logits equal those of the unpacked sequences.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int, attention_cost: float) -> None:
+        super().__init__(tokenizer)
+        self.max_length = max_length
+        self.attention_cost = attention_cost
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(f["input_ids"]) for f in features]
+        capacity, place = pack_rows(lengths, self.max_length, self.attention_cost)
+        rows = 1 + max(r for r, _ in place)
+        input_ids = torch.full((rows, capacity), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        token_type_ids = torch.zeros((rows, capacity), dtype=torch.long)
+        position_ids = torch.zeros((rows, capacity), dtype=torch.long)
+        segment_ids = torch.zeros((rows, capacity), dtype=torch.long)
+        segments_in_row = [0] * rows
+        cls_index = []
+        for f, n, (row, offset) in zip(features, lengths, place):
+            segments_in_row[row] += 1
+            input_ids[row, offset : offset + n] = torch.tensor(f["input_ids"])
+            if "token_type_ids" in f:
+                token_type_ids[row, offset : offset + n] = torch.tensor(f["token_type_ids"])
+            position_ids[row, offset : offset + n] = torch.arange(n)
+            segment_ids[row, offset : offset + n] = segments_in_row[row]
+            cls_index.append(row * capacity + offset)
+        batch = {
+            "input_ids": input_ids, "token_type_ids": token_type_ids, "position_ids": position_ids, "segment_ids": segment_ids,
+            "cls_index": torch.tensor(cls_index), "sequence_lengths": torch.tensor(lengths),
+        }
+        if "labels" in features[0]:
+            batch["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.long)
+        if "window_samples" in features[0]:
+            batch["window_samples"] = torch.tensor(features[0]["window_samples"], dtype=torch.float32)
+            batch["sample_weight"] = torch.tensor([f["sample_weight"] for f in features], dtype=torch.float32)
+        return batch
+
+
+def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_batch_size: int, accumulation: int, num_processes: int,
+                       attention_cost: float = 0.0) -> tuple[DataLoader, WindowedBatchSampler]:
+    """The training DataLoader over global micro-batches, and its sampler (for set_epoch).
+
+    With `data.packing` each process packs its share of a micro-batch into rows
+    (`PackingCollator`; `attention_cost` from `finetune.model.attention_cost`).
+    """
     sampler = WindowedBatchSampler(
         ds["length"][:],
         batch_size=micro_batch_size * num_processes,
@@ -520,7 +602,8 @@ def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_
     )
     # its own generator: a DataLoader without one draws its base seed from the global torch RNG at
     # every iterator creation, which shifts dropout masks after a mid-epoch resume (exact resume)
-    loader = DataLoader(WindowedDataset(ds), batch_sampler=sampler, collate_fn=Collator(tokenizer), num_workers=cfg.data.num_workers,
+    collate = PackingCollator(tokenizer, cfg.data.max_length, attention_cost) if cfg.data.packing else Collator(tokenizer)
+    loader = DataLoader(WindowedDataset(ds), batch_sampler=sampler, collate_fn=collate, num_workers=cfg.data.num_workers,
                         generator=torch.Generator().manual_seed(cfg.run.seed))
     return loader, sampler
 

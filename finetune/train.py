@@ -42,7 +42,7 @@ from finetune.data import (
 )
 from finetune.errors import UserError
 from finetune.metrics import classification_metrics, plot_curves
-from finetune.model import build_model, build_tokenizer, count_parameters, exportable
+from finetune.model import attention_cost, build_model, build_tokenizer, check_packing, count_parameters, exportable, packed_logits
 from finetune.planner import OutOfMemoryGuard, resolve_micro_batch
 from finetune.precision import (
     Bf16AdamW,
@@ -183,9 +183,9 @@ def build_adamw8bit(cfg: Config, groups: list[dict[str, Any]]) -> torch.optim.Op
     return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
 
 
-def rebuild_train_loader(accelerator: Accelerator, data: "Data", tokenizer: Any, cfg: Config, micro: int, G: int) -> tuple[Any, Any]:
+def rebuild_train_loader(accelerator: Accelerator, data: "Data", tokenizer: Any, cfg: Config, micro: int, G: int, attn_cost: float) -> tuple[Any, Any]:
     """A prepared training loader at another micro-batch size; its windows hold the same samples."""
-    loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, accelerator.num_processes)
+    loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, accelerator.num_processes, attn_cost)
     accelerator.gradient_accumulation_steps = G
     return accelerator.prepare(loader), sampler
 
@@ -302,7 +302,10 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
     # micro-batch x accumulation: explicit, derived from train.batch_size, or planned (auto)
     micro, G = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
     accelerator.gradient_accumulation_steps = G
-    train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P)
+    if cfg.data.packing:
+        check_packing(model)
+    attn_cost = attention_cost(model)  # packing: how much a longer row costs in attention
+    train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P, attn_cost)
     # eval batches are global too (split_batches=True): micro * 2 rows per process
     eval_loader = build_eval_loader(data.validation, tokenizer, micro * 2 * P) if data.validation is not None else None
     test_loader = build_eval_loader(data.test, tokenizer, micro * 2 * P) if data.test is not None else None
@@ -355,7 +358,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
         if (progress.get("micro_batch_size", micro), progress.get("gradient_accumulation_steps", G)) != (micro, G):
             # an out-of-memory retry shrank the micro-batch: keep it (batches_in_epoch counts in it)
             micro, G = progress["micro_batch_size"], progress["gradient_accumulation_steps"]
-            train_loader, sampler = rebuild_train_loader(accelerator, data, tokenizer, cfg, micro, G)
+            train_loader, sampler = rebuild_train_loader(accelerator, data, tokenizer, cfg, micro, G, attn_cost)
             logger.info(f"resuming with micro-batch {micro} x accumulation {G} (chosen after an out-of-memory error)")
         last_eval = progress.get("eval", {})
         best, finished = progress.get("best", {}), progress.get("finished", False)
@@ -416,7 +419,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
             window_samples = batch.pop("window_samples")
             with accelerator.accumulate(model), oom:
                 oom.maybe_inject(step + 1, (batches_done - 1) % G, G)
-                logits = model(**batch).logits
+                logits = packed_logits(model, batch) if cfg.data.packing else model(**batch).logits
                 per_sample = monitor.inject(fp32_cross_entropy(logits, labels) * weight, step + 1)
                 # Exact accumulation: sum over the window's true sample count (short tail window and
                 # all processes included); x G x P cancels Accelerate's /G and DDP's mean.
@@ -424,8 +427,10 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 accelerator.backward(loss)
                 win_loss += per_sample.detach().sum()
                 win_samples += weight.sum()
-                real_tokens += (batch["attention_mask"].sum(-1) * weight).sum()  # weight-0 fill rows are waste
-                total_tokens += batch["attention_mask"].numel()
+                # weight-0 fill rows are waste
+                lengths = batch["sequence_lengths"] if cfg.data.packing else batch["attention_mask"].sum(-1)
+                real_tokens += (lengths * weight).sum()
+                total_tokens += batch["input_ids"].numel()
                 if accelerator.sync_gradients:
                     grad_norm = None
                     if cfg.train.max_grad_norm is not None or monitor.checks_grads:
@@ -448,7 +453,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 memmon.config_summary.update(micro_batch_size=micro, gradient_accumulation_steps=G)  # memory.json says what runs
                 if hasattr(loader, "end"):
                     loader.end()  # leave Accelerate's end-of-dataloader tracking to the new loader
-                train_loader, sampler = rebuild_train_loader(accelerator, data, tokenizer, cfg, micro, G)
+                train_loader, sampler = rebuild_train_loader(accelerator, data, tokenizer, cfg, micro, G, attn_cost)
                 accelerator.step = 0
                 break
             if not accelerator.sync_gradients:

