@@ -509,33 +509,36 @@ class Collator:
 
 
 def pack_rows(lengths: list[int], max_length: int, attention_cost: float) -> tuple[int, list[tuple[int, int]]]:
-    """Place sequences of `lengths` into rows: (row capacity, [(row, offset)] per sequence).
+    """Place sequences of `lengths` into rows: (row width, [(row, offset)] per sequence).
 
-    First-fit decreasing into rows of capacity C, with C chosen among multiples of the longest
-    sequence (up to `max_length`), and rows padded to the fullest one (width W), to minimise the
-    modelled cost rows x W x (1 + attention_cost x W):
-    the per-token work of the linear layers is fixed, the attention's grows with the row length,
-    so packing short sequences into long rows is not free (`attention_cost` = 1 / (2 hidden +
-    intermediate) for a Transformer encoder layer).
+    For each candidate row count R (from the fewest rows that `max_length` allows up to one row
+    per sequence), sequences go longest first into the currently emptiest row, which balances
+    the rows; the width W is the fullest row. The R minimising the modelled cost
+    R x W x (1 + attention_cost x W) wins: the per-token work of the linear layers is fixed, the
+    attention's grows with the row width, so packing short sequences into long rows is not free
+    (`attention_cost` = 1 / (2 hidden + intermediate) for a Transformer encoder layer). Rows
+    never exceed max(max_length, longest sequence).
     """
-    longest = max(lengths)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    cap = max(max_length, max(lengths))
     best: tuple[float, int, list[tuple[int, int]]] | None = None
-    for capacity in sorted({min(longest * k, max(max_length, longest)) for k in range(1, len(lengths) + 1)}):
-        free: list[int] = []  # free tokens per row
+    for rows in range(max(1, -(-sum(lengths) // cap)), len(lengths) + 1):
+        fill = [0] * rows
         place: list[tuple[int, int]] = [(0, 0)] * len(lengths)
         for i in order:
-            row = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
-            if row is None:
-                free.append(capacity)
-                row = len(free) - 1
-            place[i] = (row, capacity - free[row])
-            free[row] -= lengths[i]
-        width = capacity - min(free)  # the fullest row: rows are padded to it, not to the capacity
-        cost = len(free) * width * (1.0 + attention_cost * width)
-        if best is None or cost < best[0]:
-            best = (cost, width, place)
-    assert best is not None
+            row = min(range(rows), key=lambda r: fill[r])
+            if fill[row] + lengths[i] > cap:
+                break  # does not fit in this many rows
+            place[i] = (row, fill[row])
+            fill[row] += lengths[i]
+        else:
+            if min(fill) == 0:
+                continue  # an empty row: fewer rows do the same
+            width = max(fill)
+            cost = rows * width * (1.0 + attention_cost * width)
+            if best is None or cost < best[0]:
+                best = (cost, width, place)
+    assert best is not None  # rows = len(lengths) always fits
     return best[1], best[2]
 
 

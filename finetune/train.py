@@ -171,6 +171,32 @@ def _fused_adamw_ok(cfg: Config) -> bool:
     )
 
 
+def clipping_folds_into_step(optimizer: torch.optim.Optimizer, accelerator: Accelerator) -> bool:
+    """Whether `fold_clipping_into_step` applies: torch's fused AdamW, no fp16 grad scaler (which
+    owns `grad_scale`), gradients whole on each process (no FSDP/DeepSpeed sharding)."""
+    from accelerate.utils import DistributedType
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return (
+        isinstance(inner, torch.optim.AdamW) and bool(inner.defaults.get("fused")) and accelerator.scaler is None
+        and accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+    )
+
+
+def fold_clipping_into_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip by global norm inside fused AdamW's kernel; return the norm before clipping.
+
+    `clip_grad_norm_` multiplies every gradient by min(1, max_norm / (norm + 1e-6)) in a pass of
+    its own; fused AdamW already reads every gradient and divides it by `grad_scale` (the hook
+    GradScaler uses), so setting grad_scale = max(1, (norm + 1e-6) / max_norm) gives the same
+    update with one pass over the gradients fewer (2.6 of ~200 ms a step on MiniLM, CPU).
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner.grad_scale = torch.clamp(norm + 1e-6, min=max_norm) / max_norm  # type: ignore[attr-defined]
+    return norm
+
+
 def build_adamw8bit(cfg: Config, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     """bitsandbytes' 8-bit AdamW (block-quantized moments): CUDA only, bitsandbytes optional."""
     t = cfg.train
@@ -401,9 +427,14 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                                     keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.best_metric, files={"config.yaml": dump_config(cfg), "eval.json": json.dumps(last_eval, indent=2),
                              "dtype_audit.json": audit_json(dtype_audit(accelerator.unwrap_model(model), prec.mode, prec.fp32_norms, norm_names=norm_names))})
 
-    if step < total_steps and not finished:
+    # the sampled window (MemTracker, ~0.3 s extra on the default model) feeds the memory report of
+    # checkpoints: without checkpoints nothing would read it
+    sample_memory = cfg.checkpoint.every_steps is not None
+    if step < total_steps and not finished and sample_memory:
         memmon.begin_sample(step)  # a resumed run samples its first window (the optimizer state exists)
     oom = OutOfMemoryGuard()
+    fold_clip = cfg.train.max_grad_norm is not None and clipping_folds_into_step(optimizer, accelerator)
+    trained_params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     while step < total_steps and epoch < num_epochs and not finished:
         loader = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
@@ -433,7 +464,9 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 total_tokens += batch["input_ids"].numel()
                 if accelerator.sync_gradients:
                     grad_norm = None
-                    if cfg.train.max_grad_norm is not None or monitor.checks_grads:
+                    if fold_clip:
+                        grad_norm = fold_clipping_into_step(optimizer, trained_params, cfg.train.max_grad_norm)
+                    elif cfg.train.max_grad_norm is not None or monitor.checks_grads:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
                     # the step's one host sync: NaN/inf loss or grad norm stops (NonFiniteError) or skips (train.nonfinite)
                     if monitor.step_ok(grad_norm, win_loss, step + 1):
@@ -513,7 +546,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 finished = True
             if step >= total_steps or finished:
                 break
-            memmon.begin_sample(step)  # not after the last step: evaluation and export run untracked
+            if sample_memory:
+                memmon.begin_sample(step)  # not after the last step: evaluation and export run untracked
         else:
             epoch, batches_done = epoch + 1, 0
             release_cached_memory(prec.empty_cache, accelerator.device)

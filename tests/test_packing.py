@@ -40,9 +40,11 @@ def test_pack_rows_places_every_sequence_once_within_capacity() -> None:
 def test_pack_rows_weighs_attention_against_padding() -> None:
     # equal lengths: nothing to gain, every sequence keeps a row of its own length
     assert pack_rows([14] * 8, 64, 4.3e-4) == (14, [(i, 0) for i in range(8)])
-    # one long and many short: the short ones share rows as long as the long one
+    # one long and many short: two balanced rows of 58 (40+9+9 and 4 x 10+9+9) beat 9 rows of 40
     capacity, place = pack_rows([40, 10, 10, 10, 10, 9, 9, 9, 9], 64, 4.3e-4)
-    assert capacity == 40 and 1 + max(r for r, _ in place) == 3
+    assert capacity == 58 and {r for r, _ in place} == {0, 1}
+    # similar lengths pair up longest with shortest: rows of 43, not 46 (FFD) or 8 rows of 23
+    assert pack_rows([23, 23, 22, 22, 21, 21, 20, 20], 64, 1 / 2304)[0] == 43
     # free attention: the padding-free layout, one row of all five (52 tokens, not 5 rows of 12)
     capacity, place = pack_rows([12, 10, 10, 10, 10], 64, 0.0)
     assert capacity == 52 and {r for r, _ in place} == {0}

@@ -301,3 +301,29 @@ def test_setup_logging_closes_the_previous_log_file(tmp_path: Path) -> None:
     assert len(first) == 1 and first[0].stream is None  # closed, not leaked
     assert [h.baseFilename for h in train_mod.logger.handlers if isinstance(h, logging.FileHandler)] == [str(tmp_path / "b" / "train.log")]
     train_mod.setup_logging(acc, None)
+
+
+def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(tmp_path: Path, tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused AdamW dividing by grad_scale = max(1, norm / max_norm) gives the weights of
+    clip_grad_norm_ followed by the step, with clipping active on every step."""
+    from safetensors.torch import load_file
+
+    norms: list[float] = []
+    real_fold = train_mod.fold_clipping_into_step
+
+    def spy(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        norm = real_fold(optimizer, params, max_norm)
+        norms.append(float(norm))
+        return norm
+
+    updates = {"data.max_train_samples": 64, "data.max_eval_samples": 16, "train.max_grad_norm": 0.005, "train.log_every_steps": 1}
+    monkeypatch.setattr(train_mod, "fold_clipping_into_step", spy)
+    folded = tiny_config({**updates, "run.output_dir": str(tmp_path / "folded")}, name="folded.yaml")
+    assert train_mod.main(["--config", str(folded)]) == 0
+    assert len(norms) == 2 and min(norms) > 0.005  # the folded path ran, and it clipped
+    monkeypatch.setattr(train_mod, "clipping_folds_into_step", lambda *a: False)
+    plain = tiny_config({**updates, "run.output_dir": str(tmp_path / "plain")}, name="plain.yaml")
+    assert train_mod.main(["--config", str(plain)]) == 0
+    assert len(norms) == 2  # the reference run used clip_grad_norm_
+    a, b = load_file(tmp_path / "folded" / "final" / "model.safetensors"), load_file(tmp_path / "plain" / "final" / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
