@@ -18,6 +18,10 @@ Workarounds for what the primitives do not do out of the box (see docs/MEMORY.md
   first, then its tensors are replaced by fake ones in place (`to_fake`).
 - This CPU-only torch build disables `torch.autocast("cuda")`: CUDA mixed precision is planned
   with CPU autocast semantics (an approximation, stated in the output).
+- CPU attention kernels keep the L x L probabilities (and dropout masks) for the backward; CUDA's
+  flash / memory-efficient kernels do not: a CUDA plan routes `scaled_dot_product_attention`
+  through the memory-efficient op (it has fake-tensor support on a CPU-only build) and adds the
+  cuBLAS workspaces that `max_memory_allocated` counts (`cuda_attention_for_planning`).
 - bitsandbytes' 8-bit AdamW cannot run on fake tensors: a stand-in with the same state layout
   (two uint8 moments plus one fp32 absmax per 256-element block; fp32 moments for tensors under
   4,096 elements, bitsandbytes' `min_8bit_size`) is measured instead.
@@ -48,7 +52,7 @@ MiB = 1 << 20
 
 # The categories reported (MemTracker's buffers go with parameters, and its "other" - the
 # input batch - with activations).
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "cublas_workspace")
 _CATEGORY_OF = {
     _MemRefType.PARAM: "parameters",
     _MemRefType.BUFFER: "parameters",
@@ -65,6 +69,53 @@ _CATEGORY_OF = {
 # exceeds allocated by roughly 5-15% in training). CPU plans get no margin.
 CUDA_CONTEXT_BYTES = 512 * MiB
 CUDA_ALLOCATOR_FRACTION = 0.10
+
+
+def cublas_workspace_bytes() -> int:
+    """cuBLAS workspace torch allocates through the caching allocator (so `max_memory_allocated`
+    counts it), one per (handle, stream); the forward and the autograd engine's backward thread
+    use different handles, so a training step holds two. Size: CUBLAS_WORKSPACE_CONFIG when set,
+    else torch's default, 32 MiB on Hopper and newer (sm >= 9.0) and 8 MiB + 128 KiB before; a
+    CPU planning for CUDA assumes the larger."""
+    import os
+    import re
+
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        pairs = re.findall(r":(\d+):(\d+)", config)
+        if pairs:
+            return sum(int(size) * int(count) for size, count in pairs) * 1024 * 2
+    hopper = not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9
+    return 2 * (32 * MiB if hopper else 4096 * 1024 * 2 + 16 * 1024 * 8)
+
+
+@contextlib.contextmanager
+def cuda_attention_for_planning() -> Any:
+    """Plan attention as CUDA runs it: `scaled_dot_product_attention` on CUDA dispatches to the
+    flash / memory-efficient kernels, which keep the output and a log-sum-exp per row for the
+    backward but neither the L x L probabilities nor a dropout mask (the CPU kernels keep both:
+    the 39-52% over-prediction docs/MEMORY.md measured on an H200). The memory-efficient op has
+    fake-tensor support on a CPU-only build, so the planner calls it directly."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            repeat = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:  # as SDPA converts a boolean mask
+            bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(~bias, float("-inf"))
+        elif bias is not None:
+            bias = bias.to(query.dtype)
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = efficient
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
 
 
 def margin_bytes(peak_bytes: int, device: str) -> int:
@@ -158,8 +209,12 @@ def measure_window(
     accumulation: int,
     mode: str,
     max_grad_norm: float | None,
+    device: str = "cpu",
 ) -> Measurement:
     """Peak memory of the SECOND optimizer window (the first creates the optimizer state).
+
+    `device="cuda"` on fake tensors: attention as CUDA's kernels keep it, plus the cuBLAS
+    workspaces (`cuda_attention_for_planning`, `cublas_workspace_bytes`).
 
     A window of G >= 2 micro-steps peaks like one of 2: from the second micro-step on, the
     gradients exist for the whole forward and backward. So at most 2 micro-steps are run.
@@ -168,11 +223,13 @@ def measure_window(
     micro_steps = min(accumulation, 2)
     autocast = autocast_context(mode)
     model.train()
-    run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm)
-    tracker = _Tracker()
-    tracker.track_external(model, optimizer)
-    with tracker:
-        run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm, tracker)
+    kernels = cuda_attention_for_planning() if device == "cuda" else contextlib.nullcontext()
+    with kernels:
+        run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm)
+        tracker = _Tracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm, tracker)
     snap = tracker.get_tracker_snapshot("peak")
     categories = dict.fromkeys(CATEGORIES, 0)
     peak = 0
@@ -181,6 +238,9 @@ def measure_window(
             if reftype in _CATEGORY_OF:
                 categories[_CATEGORY_OF[reftype]] += int(nbytes)
         peak += int(dev_snap.get("Total", 0))
+    if device == "cuda":
+        categories["cublas_workspace"] = cublas_workspace_bytes()
+        peak += categories["cublas_workspace"]
     return Measurement(peak, categories)
 
 
@@ -378,7 +438,9 @@ def check_plannable(cfg: Config, device: str) -> list[str]:
         raise UserError("train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, or use adamw/adafactor")
     if device == "cuda":
         notes.append(
-            f"CUDA plan on a CPU: tensors are counted with CPU kernels{' and CPU autocast semantics (CUDA autocast also keeps softmax/layer_norm in fp32)' if mode in ('bf16', 'fp16') else ''}; "
+            f"CUDA plan{' on a CPU' if not torch.cuda.is_available() else ''}: attention as CUDA's memory-efficient kernel keeps it, "
+            f"plus {cublas_workspace_bytes() // MiB} MiB of cuBLAS workspaces"
+            f"{'; CPU autocast semantics (CUDA autocast also keeps softmax/layer_norm in fp32)' if mode in ('bf16', 'fp16') else ''}; "
             f"margin = {CUDA_CONTEXT_BYTES // MiB} MiB CUDA context + {int(CUDA_ALLOCATOR_FRACTION * 100)}% allocator rounding"
         )
         if cfg.train.optimizer == "adamw8bit":
@@ -447,7 +509,7 @@ def predict_peak(cfg: Config, micro: int, accumulation: int, tokenizer: Any, lab
         model, optimizer = build_for_planning(cfg, label_names, tokenizer, fake_mode, device)
         make = fake_batch_factory(tokenizer, micro, seq_len, len(label_names))
         with fake_mode:
-            return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
+            return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm, device)
 
 
 def plan(

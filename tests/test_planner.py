@@ -213,3 +213,23 @@ def test_injected_oom_redoes_the_window_at_half_the_micro_batch(tiny_config: Cal
     c = tiny_config({**base, "run.output_dir": str(tmp_path / "c"), "train.max_steps": 1}, name="c.yaml")
     assert main(["--config", str(c)]) == 0
     assert max((got[k] - v).abs().max().item() for k, v in _final_weights(tmp_path / "c").items()) > 1e-4
+
+
+def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:
+    """A CUDA plan keeps no L x L attention probabilities (flash / memory-efficient kernels) and
+    counts two cuBLAS workspaces; a CPU plan of the same step keeps them: with attention dropout
+    the CPU's SDPA takes its math path (its flash kernel has no dropout), as for MiniLM."""
+    from finetune.model import build_tokenizer
+    from finetune.planner import MiB, predict_peak
+
+    cfg = load_config(TINY, ["data.max_length=64", "model.architecture.attention_probs_dropout_prob=0.1"])
+    tok = build_tokenizer(cfg)
+    names = ["negative", "positive"]
+    B, L = 16, 64
+    cpu = predict_peak(cfg, B, 1, tok, names)
+    cuda = predict_peak(cfg, B, 1, tok, names, device="cuda")
+    arch = cfg.model.architecture or {}
+    probabilities = arch["num_hidden_layers"] * B * arch["num_attention_heads"] * L * L * 4  # fp32, saved by softmax
+    assert cpu.categories["activations"] - cuda.categories["activations"] >= 0.9 * probabilities
+    assert cuda.categories["cublas_workspace"] == 64 * MiB and cpu.categories["cublas_workspace"] == 0
+    assert cuda.peak_bytes >= 64 * MiB
