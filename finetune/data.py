@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import heapq
 import logging
 import math
 import random
@@ -512,26 +513,32 @@ def pack_rows(lengths: list[int], max_length: int, attention_cost: float) -> tup
     """Place sequences of `lengths` into rows: (row width, [(row, offset)] per sequence).
 
     For each candidate row count R (from the fewest rows that `max_length` allows up to one row
-    per sequence), sequences go longest first into the currently emptiest row, which balances
+    per sequence, ~k sequences per row for each k), sequences go longest first into the currently
+    emptiest row, which balances
     the rows; the width W is the fullest row. The R minimising the modelled cost
     R x W x (1 + attention_cost x W) wins: the per-token work of the linear layers is fixed, the
     attention's grows with the row width, so packing short sequences into long rows is not free
     (`attention_cost` = 1 / (2 hidden + intermediate) for a Transformer encoder layer). Rows
     never exceed max(max_length, longest sequence).
     """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: -lengths[i])
     cap = max(max_length, max(lengths))
+    fewest = max(1, -(-sum(lengths) // cap))
+    # about k sequences per row for every k: O(sqrt(n)) candidates keep large micro-batches cheap
+    candidates = sorted({max(fewest, -(-n // k)) for k in range(1, n + 1)})
     best: tuple[float, int, list[tuple[int, int]]] | None = None
-    for rows in range(max(1, -(-sum(lengths) // cap)), len(lengths) + 1):
-        fill = [0] * rows
-        place: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for rows in candidates:
+        heap = [(0, r) for r in range(rows)]  # (fill, row): the emptiest row on top
+        place: list[tuple[int, int]] = [(0, 0)] * n
         for i in order:
-            row = min(range(rows), key=lambda r: fill[r])
-            if fill[row] + lengths[i] > cap:
+            filled, row = heapq.heappop(heap)
+            if filled + lengths[i] > cap:
                 break  # does not fit in this many rows
-            place[i] = (row, fill[row])
-            fill[row] += lengths[i]
+            place[i] = (row, filled)
+            heapq.heappush(heap, (filled + lengths[i], row))
         else:
+            fill = [f for f, _ in heap]
             if min(fill) == 0:
                 continue  # an empty row: fewer rows do the same
             width = max(fill)

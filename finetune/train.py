@@ -317,6 +317,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
     tokenizer = build_tokenizer(cfg)
     data = build_data(cfg, tokenizer)
     model = build_model(cfg, data.label_names, tokenizer)
+    if cfg.data.packing:
+        check_packing(model)
     # precision policy (bf16-true cast, fp32 norms), audited, then compile in place: this order
     prec = cfg.precision
     norm_names = apply_precision_policy(model, prec.mode, prec.fp32_norms, prec.norm_class_names)
@@ -328,8 +330,6 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
     # micro-batch x accumulation: explicit, derived from train.batch_size, or planned (auto)
     micro, G = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
     accelerator.gradient_accumulation_steps = G
-    if cfg.data.packing:
-        check_packing(model)
     attn_cost = attention_cost(model)  # packing: how much a longer row costs in attention
     train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P, attn_cost)
     # eval batches are global too (split_batches=True): micro * 2 rows per process
@@ -471,6 +471,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                     # the step's one host sync: NaN/inf loss or grad norm stops (NonFiniteError) or skips (train.nonfinite)
                     if monitor.step_ok(grad_norm, win_loss, step + 1):
                         optimizer.step()
+                        if fold_clip:  # as GradScaler does: the scale belongs to this step only
+                            getattr(optimizer, "optimizer", optimizer).grad_scale = None
                         scheduler.step()
                         monitor.after_step(accelerator.optimizer_step_was_skipped)  # fp16: the scaler skipped it
                         if not accelerator.optimizer_step_was_skipped:
