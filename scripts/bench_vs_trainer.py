@@ -140,6 +140,10 @@ def _curve_clock(args: argparse.Namespace) -> Any:
     return time.process_time if args.clock == "cpu" else time.perf_counter
 
 
+class _TargetReached(Exception):
+    """Time-to-accuracy: finetune's run crossed the target (the run is abandoned there)."""
+
+
 def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int | None = None, packed: bool = False) -> dict[str, Any]:
     """finetune's real code path; samples/s and padding as its loop logged them (`packed`: data.packing=true)."""
     import finetune.train as ft
@@ -154,9 +158,18 @@ def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int
         marks.setdefault("cpu0", time.process_time())
         set_epoch(self, epoch)
 
+    reached: dict[int, float] = {}
+
     def mark_end(*a: Any, **k: Any) -> Any:
         marks.setdefault("cpu1", time.process_time())
-        return evaluate(*a, **k)
+        metrics = evaluate(*a, **k)
+        if eval_every and args.target_acc is not None:
+            # the loop evaluates at every eval_every-th step; stop at the first crossing, as the Trainer callback does
+            marks["evals"] = marks.get("evals", 0) + 1
+            if metrics["accuracy"] >= args.target_acc:
+                reached[int(marks["evals"]) * eval_every] = metrics["accuracy"]
+                raise _TargetReached
+        return metrics
 
     WindowedBatchSampler.set_epoch, ft.evaluate = mark_start, mark_end  # type: ignore[method-assign]
     if eval_every and args.clock == "cpu":
@@ -168,7 +181,10 @@ def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int
             extra = [f"train.eval_every_steps={eval_every}", f"train.log_every_steps={eval_every}"] if eval_every else []
             extra += ["data.packing=true"] * packed
             cfg = make_config(args, Path(tmp) / "run", seed, rows, extra)
-            final = ft.train(cfg)
+            try:
+                final = ft.train(cfg)
+            except _TargetReached:
+                final = {"accuracy": next(iter(reached.values()))}
             rows_ = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     finally:
         WindowedBatchSampler.set_epoch, ft.evaluate = set_epoch, evaluate  # type: ignore[method-assign]
@@ -183,7 +199,7 @@ def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int
         # cumulative training time at each evaluation: each log interval's samples / its samples/s
         per_step = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
         t, prev, curve = 0.0, 0, []
-        evals = {r["step"]: r["eval_accuracy"] for r in rows_ if "eval_accuracy" in r}
+        evals = {r["step"]: r["eval_accuracy"] for r in rows_ if "eval_accuracy" in r} | reached
         for r in train_rows:
             t += min((r["step"] - prev) * per_step, rows - prev * per_step) / r["samples_per_s"]
             prev = r["step"]
