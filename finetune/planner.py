@@ -551,13 +551,14 @@ def format_plan(p: Plan, cfg: Config) -> str:
         f"LoRA {'r=' + str(cfg.model.lora.r) if cfg.model.lora else 'off'}, frozen embeddings {'on' if cfg.model.freeze_embeddings else 'off'}",
         f"device {p.device}; effective batch {p.effective_batch} ({p.num_processes} process(es)); worst case {p.seq_len} tokens per row; budget {budget}",
     ]
-    head = ["micro", "accum", "peak MiB", "+margin", "params", "grads", "optim", "activ", "temps", "fits"]
+    shown = CATEGORIES if p.device == "cuda" else tuple(k for k in CATEGORIES if k != "cublas_workspace")
+    head = ["micro", "accum", "peak MiB", "+margin", "params", "grads", "optim", "activ", "temps", *(["cublas"] * (p.device == "cuda")), "fits"]
     table = [head]
     for r in p.rows:
         c = r.categories
         table.append([
             str(r.micro_batch_size), str(r.gradient_accumulation_steps), f"{r.peak_bytes / MiB:,.0f}", f"{r.peak_bytes_with_margin / MiB:,.0f}",
-            *(f"{c[k] / MiB:,.0f}" for k in CATEGORIES), {None: "-", True: "yes", False: "no"}[r.fits],
+            *(f"{c[k] / MiB:,.0f}" for k in shown), {None: "-", True: "yes", False: "no"}[r.fits],
         ])
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
