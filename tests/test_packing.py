@@ -121,3 +121,30 @@ def test_packing_refuses_what_it_does_not_cover(tiny_config: Callable[..., Path]
     err = capsys.readouterr().err
     assert "data.packing supports model types" in err and "distilbert" in err
     assert not (Path(cfg).parent / "run").exists()  # nothing written
+
+
+def test_two_processes_packed_equal_one_process_packed(tmp_path: Path, data_dir: Path) -> None:
+    """Each process packs its own share of a global micro-batch: 2 processes x micro 4 end with the
+    weights of 1 process x micro 8 (90 rows, global batch 8: a short last window)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from finetune.train import main
+    from conftest import ROOT
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = ["run.overwrite=true", "data.packing=true", "data.group_by_length=false", "data.max_train_samples=90",
+              "data.max_eval_samples=32", "train.gradient_accumulation_steps=1", "train.eval_every_steps=null"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           str(ROOT / "finetune" / "train.py"), "--config", str(TINY), f"run.output_dir={tmp_path / 'two'}", "train.micro_batch_size=4", *common]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["--config", str(TINY), f"run.output_dir={tmp_path / 'one'}", "train.micro_batch_size=8", *common]) == 0
+    w1, w2 = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-5
