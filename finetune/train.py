@@ -276,6 +276,24 @@ def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
 
 
 @torch.no_grad()
+def record_row(accelerator: Accelerator, metrics_file: Path, row: dict[str, Any]) -> None:
+    """One metrics.jsonl line (written by the main process only) and the same values to the trackers."""
+    if accelerator.is_main_process:
+        with metrics_file.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+
+def final_summary(step: int, final: dict[str, Any], final_dir: Path) -> str:
+    """The run's last log line."""
+    summary = f"done: {step} steps"
+    if "accuracy" in final:
+        summary += f"; validation accuracy {final['accuracy']:.4f}, macro-F1 {final['macro_f1']:.4f}"
+    if "test" in final:
+        summary += f"; test accuracy {final['test']['accuracy']:.4f}"
+    return summary + f"; model in {final_dir}"
+
+
 def evaluate(model: torch.nn.Module, loader: Any, accelerator: Accelerator, label_names: list[str]) -> dict[str, Any]:
     """Metrics over a prepared loader; `gather_for_metrics` drops the duplicates of padded batches."""
     model.eval()
@@ -512,11 +530,8 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 row["peak_memory_bytes"] = memmon.interval_peak()
                 samples_seen += sums[1]
                 row.update(monitor.fields())  # compile_graphs, loss_scale, skipped steps
-                if accelerator.is_main_process:
-                    with metrics_file.open("a") as f:
-                        f.write(json.dumps(row) + "\n")
+                record_row(accelerator, metrics_file, row)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", sps=f"{row['samples_per_s']:.1f}")
-                accelerator.log({k: v for k, v in row.items() if k != "step"}, step=step)
                 loss_sum.zero_(), samples.zero_(), real_tokens.zero_(), total_tokens.zero_()
                 t_log = time.perf_counter()
             if eval_loader is not None and cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 and step < total_steps:
@@ -526,11 +541,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
                 last_eval["step"] = step
                 ckpt.update_best(best, cfg.checkpoint.best_metric, last_eval, step)
                 eval_row = {"step": step, "eval_accuracy": last_eval["accuracy"], "eval_macro_f1": last_eval["macro_f1"], "eval_loss": last_eval["loss"]}
-                eval_row.update(monitor.fields())
-                if accelerator.is_main_process:
-                    with metrics_file.open("a") as f:
-                        f.write(json.dumps(eval_row) + "\n")
-                accelerator.log({k: v for k, v in eval_row.items() if k != "step"}, step=step)
+                record_row(accelerator, metrics_file, eval_row | monitor.fields())
                 bar.write(f"step {step}: eval accuracy {last_eval['accuracy']:.4f}, macro-F1 {last_eval['macro_f1']:.4f}")
                 t_log += time.perf_counter() - t_eval  # evaluation time is not training throughput
             saved = None
@@ -592,12 +603,7 @@ def train(cfg: Config, guard: ckpt.PreemptionGuard | None = None) -> dict[str, A
         if metrics_file.exists():
             plot_curves(metrics_file, run_dir / "curves.png")
             mem.plot_memory(metrics_file, run_dir / "memory.png")
-        summary = f"done: {step} steps"
-        if "accuracy" in final:
-            summary += f"; validation accuracy {final['accuracy']:.4f}, macro-F1 {final['macro_f1']:.4f}"
-        if "test" in final:
-            summary += f"; test accuracy {final['test']['accuracy']:.4f}"
-        logger.info(summary + f"; model in {run_dir / 'final'}")
+        logger.info(final_summary(step, final, run_dir / "final"))
     accelerator.end_training()
     return final
 
