@@ -218,8 +218,7 @@ class Bf16AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd, update = group["lr"], group["eps"], group["weight_decay"], group["update"]
+            update = group["update"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -237,30 +236,50 @@ class Bf16AdamW(torch.optim.Optimizer):
                         state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 t = float(state["step"])
-                grad = p.grad.float()
-                m = state["exp_avg"].float().lerp_(grad, 1 - beta1)
-                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                for buf, val in ((state["exp_avg"], m), (state["exp_avg_sq"], v)):
-                    if buf.dtype == torch.bfloat16 and update != "plain":
-                        stochastic_round_(buf, val)
-                    else:
-                        buf.copy_(val)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)  # v may alias fp32 state
-                p32 = p.float()
-                # the update in fp32: decoupled weight decay plus the Adam step
-                delta = (m / denom).mul_(-lr / (1 - beta1**t)).add_(p32, alpha=-lr * wd)
-                if not low:
-                    p.add_(delta)
-                elif update == "kahan":
-                    comp = state["kahan_comp"]
-                    delta.add_(comp)  # what is owed from earlier roundings
-                    p.copy_(p32 + delta)
-                    comp.copy_(delta.sub_(p.float() - p32))  # intended minus applied
-                elif update == "stochastic" and p.dtype == torch.bfloat16:
-                    stochastic_round_(p, p32.add_(delta))
+                tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("kahan_comp")]
+                if p.numel() > self.CHUNK and all(x is None or x.is_contiguous() for x in tensors):
+                    # slices of at most CHUNK elements: the fp32 temporaries of the word-embedding
+                    # matrix (~8 copies of 45 MiB at once for MiniLM) become ~8 x 4 MiB; the math is
+                    # elementwise, so the arithmetic is the same bit for bit (tests/test_precision.py);
+                    # only stochastic rounding draws its random bits in another order
+                    flat = [None if x is None else x.view(-1) for x in tensors]
+                    for lo in range(0, p.numel(), self.CHUNK):
+                        self._update(*(None if x is None else x[lo : lo + self.CHUNK] for x in flat), t, group, low)
                 else:
-                    p.copy_(p32.add_(delta))
+                    self._update(*tensors, t, group, low)
         return loss
+
+    CHUNK = 1 << 20  # elements per slice of one tensor's update
+
+    @staticmethod
+    def _update(p: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, comp: torch.Tensor | None,
+                t: float, group: dict[str, Any], low: bool) -> None:
+        """The AdamW update of one tensor (or a slice of it), computed in fp32, written in place."""
+        beta1, beta2 = group["betas"]
+        lr, eps, wd, update = group["lr"], group["eps"], group["weight_decay"], group["update"]
+        grad = g.float()
+        m = exp_avg.float().lerp_(grad, 1 - beta1)
+        v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        for buf, val in ((exp_avg, m), (exp_avg_sq, v)):
+            if buf.dtype == torch.bfloat16 and update != "plain":
+                stochastic_round_(buf, val)
+            else:
+                buf.copy_(val)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)  # v may alias fp32 state
+        p32 = p.float()
+        # the update in fp32: decoupled weight decay plus the Adam step
+        delta = (m / denom).mul_(-lr / (1 - beta1**t)).add_(p32, alpha=-lr * wd)
+        if not low:
+            p.add_(delta)
+        elif update == "kahan":
+            assert comp is not None
+            delta.add_(comp)  # what is owed from earlier roundings
+            p.copy_(p32 + delta)
+            comp.copy_(delta.sub_(p.float() - p32))  # intended minus applied
+        elif update == "stochastic" and p.dtype == torch.bfloat16:
+            stochastic_round_(p, p32.add_(delta))
+        else:
+            p.copy_(p32.add_(delta))
 
 
 def effective_weight(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:

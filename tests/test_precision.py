@@ -546,3 +546,31 @@ def test_compiled_run_records_graphs_and_writes_clean_keys(tiny_config: Callable
     c = load_config(cfg)
     model = build_model(c, ["negative", "positive"], build_tokenizer(c))
     model.load_state_dict(load_file(ck / "model.safetensors"))
+
+
+@pytest.mark.parametrize("update", ["kahan", "stochastic", "plain"])
+def test_bf16_adamw_chunked_update_equals_whole_tensor_update(update: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slicing a large tensor's update (bounded fp32 temporaries) changes nothing: the weights and
+    every state buffer are bit for bit those of the whole-tensor update. Slices draw the random
+    bits of stochastic rounding in another order, so the rounding is made deterministic here
+    (round to nearest) to compare the arithmetic exactly."""
+    import finetune.precision as precision
+
+    monkeypatch.setattr(precision, "stochastic_round_", lambda dst, src: dst.copy_(src))
+    torch.manual_seed(0)
+    start = torch.randn(3000, 7).to(torch.bfloat16)
+    grads = [torch.randn(3000, 7).to(torch.bfloat16) for _ in range(3)]
+    results = []
+    for chunk in (1 << 20, 1024):  # whole tensor (21,000 elements) vs 21 slices, the last one short
+        monkeypatch.setattr(Bf16AdamW, "CHUNK", chunk)
+        p = torch.nn.Parameter(start.clone())
+        opt = Bf16AdamW([p], lr=1e-3, weight_decay=0.1, update=update)
+        torch.manual_seed(1)  # the same random stream for the stochastic roundings
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        results.append((p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}))
+    (p1, s1), (p2, s2) = results
+    assert not torch.equal(p1, start)  # it moved
+    assert torch.equal(p1, p2)
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
