@@ -501,6 +501,11 @@ class Collator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         model_feats = [{k: f[k] for k in self.MODEL_KEYS if k in f} for f in features]
         batch = dict(self.tokenizer.pad(model_feats, return_tensors="pt"))
+        return self.add_bookkeeping(batch, features)
+
+    @staticmethod
+    def add_bookkeeping(batch: dict[str, torch.Tensor], features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Labels, and for training items the window size and per-sample weights."""
         if "labels" in features[0]:
             batch["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.long)
         if "window_samples" in features[0]:
@@ -587,12 +592,7 @@ class PackingCollator(Collator):
             "input_ids": input_ids, "token_type_ids": token_type_ids, "position_ids": position_ids, "segment_ids": segment_ids,
             "cls_index": torch.tensor(cls_index), "sequence_lengths": torch.tensor(lengths),
         }
-        if "labels" in features[0]:
-            batch["labels"] = torch.tensor([f["labels"] for f in features], dtype=torch.long)
-        if "window_samples" in features[0]:
-            batch["window_samples"] = torch.tensor(features[0]["window_samples"], dtype=torch.float32)
-            batch["sample_weight"] = torch.tensor([f["sample_weight"] for f in features], dtype=torch.float32)
-        return batch
+        return self.add_bookkeeping(batch, features)
 
 
 def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_batch_size: int, accumulation: int, num_processes: int,
