@@ -275,7 +275,6 @@ def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
 # Evaluation.
 
 
-@torch.no_grad()
 def record_row(accelerator: Accelerator, metrics_file: Path, row: dict[str, Any]) -> None:
     """One metrics.jsonl line (written by the main process only) and the same values to the trackers."""
     if accelerator.is_main_process:
@@ -294,6 +293,7 @@ def final_summary(step: int, final: dict[str, Any], final_dir: Path) -> str:
     return summary + f"; model in {final_dir}"
 
 
+@torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: Any, accelerator: Accelerator, label_names: list[str]) -> dict[str, Any]:
     """Metrics over a prepared loader; `gather_for_metrics` drops the duplicates of padded batches."""
     model.eval()

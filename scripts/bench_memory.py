@@ -138,8 +138,8 @@ def main() -> int:
         eight_bit = cfg.train.optimizer == "adamw8bit"
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
-            if args.no_memory:
-                pass
+            if args.no_memory:  # accuracy only: nothing to plan or measure
+                row["memory"] = "not run (--no-memory)"
             elif eight_bit and not cuda:
                 # planned for CUDA with the bitsandbytes state stand-in; nothing to measure here
                 from finetune.planner import plan

@@ -327,3 +327,21 @@ def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(tmp_path: Path, 
     assert len(norms) == 2  # the reference run used clip_grad_norm_
     a, b = load_file(tmp_path / "folded" / "final" / "model.safetensors"), load_file(tmp_path / "plain" / "final" / "model.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_evaluate_runs_without_autograd(tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluation builds no autograd graph (memory): every forward inside `evaluate` sees grad mode off."""
+    seen: list[bool] = []
+    real = train_mod.evaluate
+
+    def spy(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        handle = model.register_forward_pre_hook(lambda m, a: seen.append(torch.is_grad_enabled()))
+        try:
+            return real(model, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    monkeypatch.setattr(train_mod, "evaluate", spy)
+    cfg = tiny_config({"data.max_train_samples": 32, "data.max_eval_samples": 16})
+    assert train_mod.main(["--config", str(cfg)]) == 0
+    assert seen and not any(seen)
