@@ -1,4 +1,4 @@
-"""Checkpoints: atomic, verified, rotated; exact resume; preemption by signals.
+"""Checkpoints: atomic, verified, rotated; exact resume; the run directory and its final/ export.
 
 A checkpoint is `<run>/checkpoints/step_<N>/` holding Accelerate's `save_state` files (model as
 safetensors, optimizer, scheduler, scaler, one `random_states_<rank>.pkl` per process),
@@ -8,30 +8,34 @@ temporary directory beside the target (`.tmp-step_<N>`), fsynced, and renamed in
 main process after a barrier; the manifest is written last, so a directory without a matching
 manifest is incomplete and is never loaded.
 
-Exit codes after a preemption checkpoint: 143 (SIGTERM) and 130 (SIGINT), see docs/RESUME.md.
+`TrainingProgress` is where the loop stands; it is progress.json, written and read here only.
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import signal
-import sys
-import threading
-import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 import torch
+import transformers
 from accelerate import Accelerator
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
+from finetune import faults
+from finetune.config import Config, parse_yaml12, validate_config
 from finetune.errors import UserError
+from finetune.model import exportable
 
 logger = logging.getLogger("finetune")
 
@@ -39,8 +43,6 @@ PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written (never named step_*)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (renamed first, so deletion is atomic too)
-EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}  # 128 + signal number, as a shell reports a killed job
-FAULT_ENV = "FINETUNE_FAULT"
 
 # Config keys whose change does not change the trained weights: resuming across them is allowed.
 # Everything else (model, data, batch sizes, seed, optimizer, schedule, precision, any new key)
@@ -58,6 +60,7 @@ HARMLESS_KEYS = {
     "log.trackers",
     "data.data_dir",  # where the files are; their content is compared by sha256 instead
     "data.num_workers",  # workers only read and collate; loaders have their own generators
+    "run.num_threads",  # intra-op threads: the same arithmetic on CPU fp32 (reductions are per-output)
     "precision.empty_cache",
 }
 # Metrics where lower is better; any other metric (accuracy, macro_f1, ...) is maximised.
@@ -65,150 +68,79 @@ LOWER_IS_BETTER = {"loss"}
 
 
 # ----------------------------------------------------------------------------------------------
-# Fault injection (tests and scripts/chaos_resume.py): FINETUNE_FAULT="kind:N[,kind:N]".
-#   sigterm_at_step:N    send SIGTERM to this process right after optimizer step N
-#   sigterm_at_batch:N   send SIGTERM to this process after micro-batch N (global count)
-#   sigint_at_step:N, sigint_at_batch:N   the same with SIGINT (Ctrl-C)
-#   crash_in_save:N      raise after the state files of step N are written, before the manifest
-#   wait_at_step:N       after step N write <run>/fault_waiting (our pid) and wait for a signal
+# Where the loop stands: progress.json.
 
 
-def fault(kind: str, value: int) -> bool:
-    """True when FINETUNE_FAULT asks for fault `kind` at `value`."""
-    spec = os.environ.get(FAULT_ENV, "")
-    for item in spec.split(","):
-        name, _, n = item.strip().partition(":")
-        if name == kind and n.strip().isdigit() and int(n) == value:
-            return True
-    return False
+@dataclass
+class TrainingProgress:
+    """The run's progress: what the loop advances and what a checkpoint's progress.json holds.
 
-
-def inject_faults(where: str, n: int, run_dir: Path, guard: "PreemptionGuard") -> None:
-    """Called by the loop after micro-batch `n` (where="batch") or optimizer step `n` (where="step")."""
-    if FAULT_ENV not in os.environ:
-        return
-    if fault(f"sigterm_at_{where}", n):
-        os.kill(os.getpid(), signal.SIGTERM)
-    if fault(f"sigint_at_{where}", n):
-        os.kill(os.getpid(), signal.SIGINT)
-    if where == "step" and fault("wait_at_step", n):
-        wait_for_signal(run_dir, guard)
-
-
-class InjectedCrash(RuntimeError):
-    """Raised by the `crash_in_save` fault: the process 'dies' half way through a save."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Preemption.
-
-
-class Preempted(Exception):
-    """Raised by the loop after the preemption checkpoint is on disk; entry points turn it into an exit code."""
-
-    def __init__(self, signal_name: str, step: int, checkpoint: Path) -> None:
-        super().__init__(f"stopped by {signal_name} at step {step}; checkpoint {checkpoint}")
-        self.signal_name = signal_name
-        self.step = step
-        self.checkpoint = checkpoint
-        self.exit_code = EXIT_CODES.get(signal_name, 143)
-
-
-def _set_parent_death_signal() -> None:
-    """Linux: have the kernel send us SIGTERM when our parent (the launcher) dies.
-
-    `accelerate launch` forwards no signals: a SIGTERM sent to the launcher alone kills it and
-    the training process would run on unaware. Only done under a launcher (its environment
-    variables are set), because a plain `nohup finetune train &` must survive its shell.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    launched = any(k in os.environ for k in ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "TORCHELASTIC_RUN_ID", "LOCAL_RANK"))
-    if not launched:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        return
-    if os.getppid() == 1:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-class PreemptionGuard:
-    """SIGTERM/SIGINT set a flag; the loop checks it at optimizer-step boundaries.
-
-    Used as a context manager so the previous handlers come back afterwards (tests run
-    `main()` in-process under pytest, whose SIGINT handler must survive).
+    A finished epoch is saved as the start of the next (`batches_in_epoch` 0). `log_sums` are the
+    summed (loss, samples, real tokens, total tokens) of the log interval in progress, so a resumed
+    run prints the same log lines.
     """
 
-    def __init__(self) -> None:
-        self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batches_in_epoch: int = 0  # global micro-batches of `epoch` consumed
+    samples_seen: int = 0  # up to the last log line
+    data_seed: int = 0
+    micro_batch_size: int = 0  # per process (an out-of-memory retry may have lowered it)
+    gradient_accumulation_steps: int = 1
+    num_processes: int | None = None  # None: a checkpoint written before the count was recorded
+    best_metric: str = "accuracy"
+    best: dict[str, Any] = field(default_factory=dict)  # value, step, bad_evals (evaluations without improvement)
+    finished: bool = False  # early stopping or the end: nothing left to train
+    eval: dict[str, Any] = field(default_factory=dict)  # the last evaluation
+    log_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    data_sha256: dict[str, str] = field(default_factory=dict)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if self.signal_name is None:
-            self.signal_name = name
-            if os.environ.get("RANK", "0") == "0":
-                print(f"\n{name} received: saving a checkpoint at the end of this optimizer step", file=sys.stderr, flush=True)
-        elif signum == signal.SIGINT:  # a second Ctrl-C means: stop now
-            raise KeyboardInterrupt
+    @property
+    def effective_batch(self) -> int | None:
+        """Micro-batch x accumulation x processes (None when the process count is unknown)."""
+        if self.num_processes is None:
+            return None
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.num_processes
 
-    def __enter__(self) -> "PreemptionGuard":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-            _set_parent_death_signal()
-        return self
+    def to_json(self) -> str:
+        """progress.json text."""
+        return json.dumps(dataclasses.asdict(self), indent=2)
 
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def requested(self, accelerator: Accelerator) -> str | None:
-        """The signal to stop for, agreed by all processes (any rank signalled -> all stop at this step)."""
-        if accelerator.num_processes == 1:
-            return self.signal_name
-        code = {None: 0, "SIGINT": 1, "SIGTERM": 2}.get(self.signal_name, 2)
-        agreed = int(accelerator.reduce(torch.tensor(code, device=accelerator.device), "max").item())
-        return {0: None, 1: "SIGINT", 2: "SIGTERM"}[agreed]
-
-
-def resume_hint(prog: str, config: str, overrides: list[str]) -> str:
-    """The one command that resumes a run (the overrides kept, checkpoint.resume set to auto)."""
-    kept = [o for o in overrides if not o.startswith("checkpoint.resume=") and not o.startswith("run.overwrite=")]
-    return " ".join([prog, "--config", config, *kept, "checkpoint.resume=auto"])
+    @classmethod
+    def read(cls, checkpoint: Path) -> TrainingProgress:
+        """A checkpoint's progress.json (keys an older version did not write get their defaults)."""
+        raw = json.loads((checkpoint / PROGRESS).read_text())
+        return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
 
 
-def wait_for_signal(run_dir: Path, guard: PreemptionGuard, timeout_s: float = 120.0) -> None:
-    """The `wait_at_step` fault: announce our pid in `<run>/fault_waiting`, wait for a signal."""
-    marker = run_dir / "fault_waiting"
-    marker.write_text(str(os.getpid()))
-    deadline = time.monotonic() + timeout_s
-    while guard.signal_name is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    marker.unlink(missing_ok=True)
+def adapt_to_launch(progress: TrainingProgress, micro: int, accumulation: int, processes: int, path: Path) -> None:
+    """Make a resumed `progress` continue under this launch's batch layout, or refuse.
 
+    The effective batch must stay (else other samples form each step). With the same process
+    count the checkpoint's micro-batch is kept (an out-of-memory retry may have lowered it); with
+    another count the launch's micro-batch and accumulation are used and `batches_in_epoch` is
+    converted through the windows done (checkpoints fall on window boundaries, and an epoch's
+    windows hold the same samples whatever the split: `data.WindowedBatchSampler`).
 
-# ----------------------------------------------------------------------------------------------
-# Determinism.
-
-
-def configure_determinism(enabled: bool) -> None:
-    """`precision.deterministic`: deterministic kernels, needed for bitwise exact resume on CUDA.
-
-    Sets CUBLAS_WORKSPACE_CONFIG (must happen before cuBLAS initialises) and
-    `torch.use_deterministic_algorithms(True)`; ops without a deterministic kernel then raise.
-    CPU fp32 training is deterministic without it.
+    Raises:
+        UserError: the effective batch would change.
     """
-    if not enabled:
-        return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
+    saved_p = progress.num_processes if progress.num_processes is not None else processes
+    saved = f"{saved_p} process(es) x micro-batch {progress.micro_batch_size} x accumulation {progress.gradient_accumulation_steps}"
+    saved_e = progress.micro_batch_size * progress.gradient_accumulation_steps * saved_p
+    if saved_e != micro * accumulation * processes:
+        raise UserError(
+            f"cannot resume from {path}: it was trained with {saved} = effective batch {saved_e}, this launch has "
+            f"{processes} process(es) x micro-batch {micro} x accumulation {accumulation} = "
+            f"{micro * accumulation * processes}; relaunch with {saved_p} process(es), or set train.batch_size={saved_e} "
+            "(without train.micro_batch_size) so the split follows the process count"
+        )
+    if saved_p != processes:
+        windows_done = progress.batches_in_epoch // progress.gradient_accumulation_steps
+        progress.batches_in_epoch = windows_done * accumulation
+        progress.micro_batch_size, progress.gradient_accumulation_steps = micro, accumulation
+        logger.info(f"resuming a run of {saved} with {processes} process(es) x micro-batch {micro} x accumulation {accumulation}")
+    progress.num_processes = processes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,14 +194,13 @@ def _remove(path: Path) -> None:
 def save_checkpoint(
     accelerator: Accelerator,
     run_dir: Path,
-    step: int,
-    progress: dict[str, Any],
+    progress: TrainingProgress,
     files: dict[str, str],
     write_extra: Callable[[Path], None] | None = None,
     keep_last: int | None = None,
     best_metric: str = "accuracy",
 ) -> Path:
-    """Write the checkpoint of optimizer step `step` atomically and return its path.
+    """Write the checkpoint of optimizer step `progress.step` atomically and return its path.
 
     Every process writes its share through `save_state` into the same temporary directory; the
     main process then adds progress.json, the text `files`, whatever `write_extra(tmp)` writes,
@@ -277,7 +208,12 @@ def save_checkpoint(
     periodic one of the step where the run ends, or a broken leftover) is replaced: renamed to
     `.trash-step_<N>` first, which `cleanup_stale` renames back if a crash comes in between.
     With `keep_last`, older checkpoints are then rotated (`rotate`).
+
+    Raises:
+        UserError: the disk filled up during the save (the temporary is removed; the previous
+            checkpoint is intact).
     """
+    step = progress.step
     target = checkpoint_dir(run_dir, step)
     tmp = target.with_name(f"{TMP_PREFIX}{target.name}")
     if accelerator.is_main_process:
@@ -286,39 +222,93 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()  # every rank's random_states_<rank>.pkl is on disk
+    try:
+        faults.save_point(step, "state")
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        accelerator.wait_for_everyone()  # every rank's random_states_<rank>.pkl is on disk
+        if accelerator.is_main_process:
+            faults.save_point(step, "manifest")
+            _write_files(tmp, step, {PROGRESS: progress.to_json(), **files}, write_extra)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        if not is_disk_full(exc):
+            raise
+        raise disk_full_error(run_dir, tmp, exc) from None
     if accelerator.is_main_process:
-        if fault("crash_in_save", step):
-            raise InjectedCrash(f"injected crash while saving step {step}")
-        (tmp / PROGRESS).write_text(json.dumps(progress, indent=2))
-        for name, text in files.items():
-            (tmp / name).write_text(text)
-        if write_extra is not None:
-            write_extra(tmp)
-        manifest = {
-            "step": step,
-            "files": {
-                str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                for p in sorted(tmp.rglob("*"))
-                if p.is_file()
-            },
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        _fsync_tree(tmp)
-        trash = target.with_name(f"{TRASH_PREFIX}{target.name}")
-        if target.exists():
-            if trash.exists():
-                shutil.rmtree(trash)
-            target.rename(trash)
-        tmp.rename(target)
-        _fsync_dir(target.parent)
-        if trash.exists():
-            shutil.rmtree(trash)
+        _publish(tmp, target)
         if keep_last is not None:
             rotate(run_dir, keep_last, best_metric)
     accelerator.wait_for_everyone()
     return target
+
+
+def _write_files(tmp: Path, step: int, files: dict[str, str], write_extra: Callable[[Path], None] | None) -> None:
+    """The text files, the extra files, then the manifest (last: it marks the checkpoint complete)."""
+    for name, text in files.items():
+        (tmp / name).write_text(text)
+    if write_extra is not None:
+        write_extra(tmp)
+    listed = {
+        str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file()
+    }
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": listed}, indent=2))
+    _fsync_tree(tmp)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename a complete temporary into place (a same-step checkpoint goes to trash first)."""
+    trash = target.with_name(f"{TRASH_PREFIX}{target.name}")
+    if target.exists():
+        if trash.exists():
+            shutil.rmtree(trash)
+        target.rename(trash)
+    tmp.rename(target)
+    _fsync_dir(target.parent)
+    if trash.exists():
+        shutil.rmtree(trash)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether a write failed for want of space (OSError, safetensors' and torch.save's errors)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return any(s in text for s in ("No space left on device", "StorageFull", "Disk quota exceeded", "file write failed"))
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def disk_full_error(run_dir: Path, tmp: Path, exc: BaseException) -> UserError:
+    """One line for a save that filled the disk; removes the temporary first."""
+    written = _tree_bytes(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    done = [p for p in list_checkpoints(run_dir) if verify_checkpoint(p, deep=False) is None]
+    need = max(_tree_bytes(done[-1]) if done else 0, written)
+    free = shutil.disk_usage(run_dir).free
+    intact = f"the previous checkpoint {done[-1]} is intact" if done else "no earlier checkpoint exists"
+    return UserError(
+        f"the disk is full: saving a checkpoint into {tmp.parent} needs about {need / 2**20:,.0f} MiB, "
+        f"{free / 2**20:,.0f} MiB are free ({type(exc).__name__}); {intact}; free some space and resume with "
+        "checkpoint.resume=auto"
+    )
+
+
+def estimate_disk_need(checkpoint_bytes: int, final_bytes: int, keep_last: int, checkpoints: bool) -> int:
+    """Bytes the run will hold at most: `keep_last` checkpoints, the best one, one being written, final/."""
+    return (keep_last + 2) * checkpoint_bytes * checkpoints + final_bytes
+
+
+def warn_if_disk_small(run_dir: Path, need: int) -> None:
+    """A warning at start when the run's disk cannot hold what the run will write."""
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        logger.warning(
+            f"warning: {run_dir} has {free / 2**20:,.0f} MiB free but the run may write about {need / 2**20:,.0f} MiB "
+            "(checkpoint.keep_last + the best + one being saved, and final/): free space or lower checkpoint.keep_last"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,9 +352,9 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir())
 
 
-def read_progress(path: Path) -> dict[str, Any]:
+def read_progress(path: Path) -> TrainingProgress:
     """progress.json of a checkpoint."""
-    return json.loads((path / PROGRESS).read_text())
+    return TrainingProgress.read(path)
 
 
 def cleanup_stale(run_dir: Path) -> list[Path]:
@@ -378,7 +368,7 @@ def cleanup_stale(run_dir: Path) -> list[Path]:
     if root.is_dir():
         for p in sorted(root.iterdir()):
             if p.name.startswith(TRASH_PREFIX):
-                original = p.with_name(p.name[len(TRASH_PREFIX):])
+                original = p.with_name(p.name[len(TRASH_PREFIX) :])
                 if not original.exists() and verify_checkpoint(p, deep=False) is None:
                     p.rename(original)
                     continue
@@ -421,8 +411,6 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
 
 def _resolved_config(path: Path) -> dict[str, Any]:
     """A saved config.yaml, validated so that keys added later get their defaults."""
-    from finetune.config import parse_yaml12, validate_config
-
     raw = parse_yaml12(path.read_text(), source=str(path)) or {}
     try:
         return validate_config(raw, source=str(path)).model_dump(mode="json")
@@ -441,10 +429,12 @@ def check_compatible(path: Path, current: dict[str, Any], data_sha256: dict[str,
             f"cannot resume from {path}: the config changed in a way that changes the result ({shown}); "
             "restore those values, or start a new run (checkpoint.resume=null with another run.output_dir)"
         )
-    saved_data = read_progress(path).get("data_sha256", {})
+    saved_data = read_progress(path).data_sha256
     for split, digest in data_sha256.items():
         if split in saved_data and saved_data[split] != digest:
-            raise UserError(f"cannot resume from {path}: the {split} data file changed (sha256 differs from the checkpoint's)")
+            raise UserError(
+                f"cannot resume from {path}: the {split} data file changed (sha256 differs from the checkpoint's)"
+            )
 
 
 def _empty(run_dir: Path) -> bool:
@@ -501,7 +491,7 @@ def find_resume_checkpoint(
     return found
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> dict[str, Any]:
+def load_checkpoint(accelerator: Accelerator, path: Path) -> TrainingProgress:
     """Restore model, optimizer, scheduler, scaler and RNG states; return progress.json."""
     accelerator.load_state(str(path))
     return read_progress(path)
@@ -521,7 +511,9 @@ def is_better(metric: str, new: float, old: float | None) -> bool:
 def update_best(best: dict[str, Any], metric: str, metrics: dict[str, Any], step: int) -> bool:
     """Fold an evaluation into `best` ({value, step, bad_evals}); True when it improved."""
     if metric not in metrics:
-        raise UserError(f"checkpoint.best_metric={metric!r} is not an evaluation metric; choose one of {sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))}")
+        raise UserError(
+            f"checkpoint.best_metric={metric!r} is not an evaluation metric; choose one of {sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))}"
+        )
     value = float(metrics[metric])
     if is_better(metric, value, best.get("value")):
         best.update(value=value, step=step, bad_evals=0)
@@ -534,12 +526,11 @@ def _own_metric(path: Path, metric: str) -> float | None:
     """The checkpoint's `metric`, when its evaluation ran at the checkpoint's own step."""
     try:
         progress = read_progress(path)
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, TypeError):
         return None
-    ev = progress.get("eval") or {}
-    if ev.get("step") != progress.get("step") or metric not in ev:
+    if progress.eval.get("step") != progress.step or metric not in progress.eval:
         return None
-    return float(ev[metric])
+    return float(progress.eval[metric])
 
 
 def best_checkpoint(run_dir: Path, metric: str) -> Path | None:
@@ -574,15 +565,24 @@ def rotate(run_dir: Path, keep_last: int, metric: str) -> list[Path]:
     return deleted
 
 
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers name parameters so
+
+
 def load_best_weights(accelerator: Accelerator, model: torch.nn.Module, run_dir: Path, metric: str) -> Path | None:
-    """`checkpoint.export=best`: put the best checkpoint's weights into `model` before the export."""
+    """`checkpoint.export=best`: put the best checkpoint's weights into `model` before the export.
+
+    Loads into the unwrapped model on every process, whatever wrapper prefix the checkpoint's keys
+    carry (a DDP run saves `module.`-prefixed keys); returns the checkpoint, None when no
+    checkpoint has its own evaluation (final/ then holds the last weights).
+    """
     best = best_checkpoint(run_dir, metric)
     if best is None:
         logger.warning(f"warning: no checkpoint has its own evaluation of {metric}: final/ holds the last weights")
         return None
-    from safetensors.torch import load_model
-
-    load_model(accelerator.unwrap_model(model), str(best / "model.safetensors"), device=str(accelerator.device))
+    state = load_file(str(best / "model.safetensors"), device=str(accelerator.device))
+    for prefix in WRAPPER_PREFIXES:
+        state = {k.removeprefix(prefix): v for k, v in state.items()}
+    accelerator.unwrap_model(model).load_state_dict(state, strict=True)
     logger.info(f"final/ holds the best checkpoint by {metric}: {best.name} ({_own_metric(best, metric)})")
     return best
 
@@ -602,6 +602,74 @@ def trim_metrics(metrics_file: Path, step: int) -> None:
     tmp = metrics_file.with_suffix(".tmp")
     tmp.write_text("".join(x + "\n" for x in kept))
     tmp.replace(metrics_file)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run directory and final/.
+
+
+def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path, max_length: int) -> None:
+    """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline).
+
+    The tokenizer carries the run's `data.max_length` as `model_max_length` (right truncation, as
+    in training), so `finetune predict` and `pipeline(..., truncation=True)` on final/ alone cut
+    texts where training did.
+    """
+    accelerator.wait_for_everyone()
+    # LoRA: merge the adapters into the base weights so final/ loads without peft
+    model = (
+        exportable(accelerator.unwrap_model(model))
+        if hasattr(accelerator.unwrap_model(model), "merge_and_unload")
+        else model
+    )
+    # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the full state dict is a collective
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        # written beside it, then renamed: a kill during the export never leaves a half-written final/
+        tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
+        remove_tree(tmp)
+        unwrapped = accelerator.unwrap_model(model)
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # no "Writing model shards 1/1" bar after the run
+        try:
+            unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        tokenizer.model_max_length, tokenizer.truncation_side = max_length, "right"
+        tokenizer.save_pretrained(tmp)
+        # bf16-true weights are saved as trained (bf16, norms fp32), but a config saying "bfloat16"
+        # makes from_pretrained/pipeline cast the fp32 norms down to bf16 on load. "float32" makes
+        # loaders upcast everything instead, which is lossless.
+        config_file = tmp / "config.json"
+        config_json = json.loads(config_file.read_text())
+        if config_json.get("dtype") not in (None, "float32"):
+            config_json["dtype"] = "float32"
+            config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        remove_tree(out)
+        tmp.rename(out)
+    accelerator.wait_for_everyone()
+
+
+def check_output_dir(cfg: Config) -> Path:
+    """Refuse a non-empty output directory unless resuming or `run.overwrite=true` (writes nothing).
+
+    Raises:
+        UserError: the directory is a file, or not empty without resume/overwrite, or not a run's.
+    """
+    out = Path(cfg.run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"run.output_dir {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and cfg.checkpoint.resume is None and not cfg.run.overwrite:
+        raise UserError(f"run.output_dir {out} is not empty; set run.overwrite=true or checkpoint.resume=auto")
+    if out.is_dir() and any(out.iterdir()) and cfg.run.overwrite and not (out / "config.yaml").is_file():
+        # overwrite deletes the whole directory: only ever a run's own (`run.output_dir=.` or a parent would go too)
+        raise UserError(
+            f"run.output_dir {out} is not empty and holds no finetune run (no config.yaml); "
+            "run.overwrite=true only replaces a run directory"
+        )
+    return out
+
 
 
 def remove_tree(path: Path) -> None:

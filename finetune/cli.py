@@ -25,10 +25,25 @@ def _cmd_plan(argv: list[str]) -> int:
     )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. precision.mode=bf16")
-    parser.add_argument("--budget-gb", type=float, default=None, help="memory budget in GiB (2^30 bytes); default memory.budget_gb")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="device to plan for (default: this machine's accelerator)")
-    parser.add_argument("--num-processes", type=int, default=1, help="processes sharing the effective batch (default 1)")
-    parser.add_argument("--micro", type=int, nargs="+", default=None, help="micro-batch sizes to plan (default: the divisors ladder up to the effective batch)")
+    parser.add_argument(
+        "--budget-gb", type=float, default=None, help="memory budget in GiB (2^30 bytes); default memory.budget_gb"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="device to plan for (default: this machine's accelerator)",
+    )
+    parser.add_argument(
+        "--num-processes", type=int, default=1, help="processes sharing the effective batch (default 1)"
+    )
+    parser.add_argument(
+        "--micro",
+        type=int,
+        nargs="+",
+        default=None,
+        help="micro-batch sizes to plan (default: the divisors ladder up to the effective batch)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     from finetune.config import load_config
@@ -46,7 +61,9 @@ def _cmd_plan(argv: list[str]) -> int:
     per_process = effective_batch(cfg, args.num_processes) // args.num_processes
     bad = [m for m in args.micro or [] if m < 1 or per_process % m]
     if bad:
-        raise UserError(f"--micro {bad}: a micro-batch must divide the {per_process} samples per process of the effective batch")
+        raise UserError(
+            f"--micro {bad}: a micro-batch must divide the {per_process} samples per process of the effective batch"
+        )
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the model is built once per ladder row
@@ -76,13 +93,21 @@ def _read_texts(path: Path, text_column: str) -> list[str]:
             with path.open(newline="", encoding="utf-8") as f:
                 rows = list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
             if rows and text_column not in rows[0]:
-                raise UserError(f"--input {path} has no column {text_column!r} (--text-column); columns: {list(rows[0])}")
+                raise UserError(
+                    f"--input {path} has no column {text_column!r} (--text-column); columns: {list(rows[0])}"
+                )
             texts = [r[text_column] for r in rows]
         elif suffix in (".jsonl", ".json"):
             lines = path.read_text(encoding="utf-8").splitlines()
-            records = [json.loads(x) for x in lines if x.strip()] if suffix == ".jsonl" else json.loads(path.read_text(encoding="utf-8"))
+            records = (
+                [json.loads(x) for x in lines if x.strip()]
+                if suffix == ".jsonl"
+                else json.loads(path.read_text(encoding="utf-8"))
+            )
             if not isinstance(records, list):  # a .json object would give its keys as texts
-                raise UserError(f"--input {path}: a .json input must be a list of texts or of records with {text_column!r}")
+                raise UserError(
+                    f"--input {path}: a .json input must be a list of texts or of records with {text_column!r}"
+                )
             texts = [r[text_column] if isinstance(r, dict) else str(r) for r in records]
         else:
             texts = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
@@ -94,7 +119,12 @@ def _read_texts(path: Path, text_column: str) -> list[str]:
 
 
 def predict_texts(
-    tokenizer: Any, model: Any, texts: list[str], batch_size: int = 64, max_length: int = 512, pairs: list[str] | None = None
+    tokenizer: Any,
+    model: Any,
+    texts: list[str],
+    batch_size: int = 64,
+    max_length: int = 512,
+    pairs: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Label and per-label probabilities for each text (with its `pairs` entry, as in training), in input order."""
     import torch
@@ -111,12 +141,24 @@ def predict_texts(
         for s in tqdm(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
             idx = order[s : s + batch_size]
             second = [pairs[i] for i in idx] if pairs is not None else None
-            enc = tokenizer([texts[i] for i in idx], second, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+            enc = tokenizer(
+                [texts[i] for i in idx],
+                second,
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            )
             probs = model(**enc).logits.float().softmax(-1)
             for row, i in enumerate(idx):
                 p = probs[row].tolist()
                 best = max(range(len(p)), key=p.__getitem__)
-                out[i] = {"text": texts[i], "label": names[best], "score": p[best], "probabilities": dict(zip(names, p))}
+                out[i] = {
+                    "text": texts[i],
+                    "label": names[best],
+                    "score": p[best],
+                    "probabilities": dict(zip(names, p)),
+                }
     return [o for o in out if o is not None]
 
 
@@ -145,13 +187,17 @@ def _cmd_predict(argv: list[str]) -> int:
             w = csv.writer(f)
             w.writerow(["text", "label", "score", *[f"prob_{n}" for n in names]])
             for p in preds:
-                w.writerow([p["text"], p["label"], f"{p['score']:.6f}", *[f"{p['probabilities'][n]:.6f}" for n in names]])
+                w.writerow(
+                    [p["text"], p["label"], f"{p['score']:.6f}", *[f"{p['probabilities'][n]:.6f}" for n in names]]
+                )
     print(f"wrote {len(preds)} predictions to {out}", file=sys.stderr)
     return 0
 
 
 def _cmd_evaluate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="finetune evaluate", description="Evaluate an exported model on a config's validation/test data.")
+    parser = argparse.ArgumentParser(
+        prog="finetune evaluate", description="Evaluate an exported model on a config's validation/test data."
+    )
     parser.add_argument("--model", required=True, help="exported model directory (<run>/final)")
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*")
@@ -182,7 +228,9 @@ def _cmd_evaluate(argv: list[str]) -> int:
 
 
 def _cmd_report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="finetune report", description="Memory reports of a run's checkpoints as one table.")
+    parser = argparse.ArgumentParser(
+        prog="finetune report", description="Memory reports of a run's checkpoints as one table."
+    )
     parser.add_argument("run_dir", help="a run directory (run.output_dir)")
     args = parser.parse_args(argv)
     from finetune.memory import report_table
@@ -191,7 +239,13 @@ def _cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "plan": _cmd_plan, "evaluate": _cmd_evaluate, "predict": _cmd_predict, "report": _cmd_report}
+COMMANDS = {
+    "train": _cmd_train,
+    "plan": _cmd_plan,
+    "evaluate": _cmd_evaluate,
+    "predict": _cmd_predict,
+    "report": _cmd_report,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

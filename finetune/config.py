@@ -11,10 +11,19 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from finetune.errors import UserError
 
@@ -30,14 +39,24 @@ class Yaml12Loader(yaml.SafeLoader):
 
 
 Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    first: [
+        (tag, rx)
+        for tag, rx in resolvers
+        if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+    ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
 Yaml12Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
     list("-+0123456789."),
 )
 
@@ -84,6 +103,11 @@ class RunConfig(_Section):
     output_dir: str
     seed: int = 42
     overwrite: bool = False
+    num_threads: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="CPU threads per process for torch's intra-op work; auto = the cores this process may use "
+        "divided among the processes on this machine (`accelerate launch` alone would leave 1)",
+    )
 
 
 class LoraConfig(_Section):
@@ -111,7 +135,7 @@ class ModelConfig(_Section):
     compile_backend: str = "inductor"
 
     @model_validator(mode="after")
-    def _source(self) -> "ModelConfig":
+    def _source(self) -> ModelConfig:
         if self.architecture is not None and self.tokenizer is None:
             raise ValueError("model.architecture builds a model from scratch and needs model.tokenizer")
         if self.architecture is None and self.name_or_path is None:
@@ -167,13 +191,15 @@ class DataConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _sources(self) -> "DataConfig":
+    def _sources(self) -> DataConfig:
         if self.train_file is None and self.hub_dataset is None:
             raise ValueError("set data.train_file (or data.hub_dataset)")
         if self.train_file is not None and self.hub_dataset is not None:
             raise ValueError("set only one of data.train_file and data.hub_dataset")
         if self.validation_split is not None and (self.validation_file is not None):
-            raise ValueError("data.validation_split carves a validation set from train: do not also set data.validation_file")
+            raise ValueError(
+                "data.validation_split carves a validation set from train: do not also set data.validation_file"
+            )
         if self.line_regex is not None:
             try:
                 rx = re.compile(self.line_regex)
@@ -181,7 +207,9 @@ class DataConfig(_Section):
                 raise ValueError(f"data.line_regex is not a valid regular expression: {exc}") from None
             missing = {self.text_column, self.label_column} - set(rx.groupindex)
             if missing:
-                raise ValueError(f"data.line_regex needs named groups {sorted(missing)} (data.text_column / data.label_column)")
+                raise ValueError(
+                    f"data.line_regex needs named groups {sorted(missing)} (data.text_column / data.label_column)"
+                )
         return self
 
 
@@ -190,9 +218,11 @@ class TrainConfig(_Section):
 
     epochs: PositiveFloat = 3
     max_steps: PositiveInt | None = None
-    micro_batch_size: Union[PositiveInt, Literal["auto"]] = 32
+    micro_batch_size: PositiveInt | Literal["auto"] = 32
     gradient_accumulation_steps: PositiveInt = 1
-    batch_size: PositiveInt | None = None  # effective batch; alone it replaces micro_batch_size and gradient_accumulation_steps
+    batch_size: PositiveInt | None = (
+        None  # effective batch; alone it replaces micro_batch_size and gradient_accumulation_steps
+    )
     learning_rate: PositiveFloat = 5e-5
     weight_decay: float = Field(0.01, ge=0.0)
     warmup_ratio: float = Field(0.06, ge=0.0, lt=1.0)
@@ -210,7 +240,7 @@ class TrainConfig(_Section):
     early_stopping_patience: PositiveInt | None = None
 
     @model_validator(mode="after")
-    def _patience(self) -> "TrainConfig":
+    def _patience(self) -> TrainConfig:
         # patience counts periodic evaluations: without them the run would silently never stop early
         if self.early_stopping_patience is not None and self.eval_every_steps is None:
             raise ValueError("train.early_stopping_patience counts evaluations: set train.eval_every_steps")
@@ -240,7 +270,7 @@ class CheckpointConfig(_Section):
     export: Literal["last", "best"] = "last"  # what final/ holds
 
     @model_validator(mode="after")
-    def _export(self) -> "CheckpointConfig":
+    def _export(self) -> CheckpointConfig:
         if self.export == "best" and self.every_steps is None:
             raise ValueError("checkpoint.export=best chooses among checkpoints: set checkpoint.every_steps")
         return self
@@ -272,7 +302,7 @@ class Config(_Section):
     log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
-    def _batch(self) -> "Config":
+    def _batch(self) -> Config:
         t = self.train
         if t.micro_batch_size == "auto" and self.memory.budget_gb is None:
             raise ValueError("train.micro_batch_size=auto needs memory.budget_gb")
@@ -282,7 +312,9 @@ class Config(_Section):
         # keys; with both given they must agree (the process count is checked at launch, planner.resolve_batch)
         given = t.model_fields_set
         if t.batch_size is not None and t.micro_batch_size != "auto" and "micro_batch_size" in given:
-            per_window = int(t.micro_batch_size) * (t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1)
+            per_window = int(t.micro_batch_size) * (
+                t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1
+            )
             if t.batch_size % per_window:
                 raise ValueError(
                     f"train.batch_size={t.batch_size} must equal train.micro_batch_size ({t.micro_batch_size}) x "
@@ -291,7 +323,7 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _packing(self) -> "Config":
+    def _packing(self) -> Config:
         if self.data.packing and self.model.compile:
             # a packed batch's rows and capacity change every step; the pooling hook is per batch
             raise ValueError("data.packing and model.compile do not go together yet: turn one off")
@@ -316,6 +348,7 @@ _ENV_RX = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 def _expand_env(value: Any) -> Any:
     """Expand ${VAR} and ${VAR:-default} in every string of a nested structure."""
     if isinstance(value, str):
+
         def repl(m: re.Match[str]) -> str:
             var, default = m.group(1), m.group(2)
             got = os.environ.get(var)
@@ -324,6 +357,7 @@ def _expand_env(value: Any) -> Any:
                     raise UserError(f"environment variable {var} is not set (used as ${{{var}}} in the config)")
                 return default
             return got
+
         return _ENV_RX.sub(repl, value)
     if isinstance(value, dict):
         return {k: _expand_env(v) for k, v in value.items()}
@@ -373,7 +407,17 @@ def _format_errors(exc: ValidationError) -> list[str]:
     problems = []
     for err in exc.errors():
         # drop pydantic's union-branch markers such as 'int' / 'literal[...]' from the location
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p.startswith(("literal[", "function-")) or p in ("int", "float", "str", "bool", "constrained-int", "constrained-float"))))
+        loc = tuple(
+            p
+            for p in err["loc"]
+            if not (
+                isinstance(p, str)
+                and (
+                    p.startswith(("literal[", "function-"))
+                    or p in ("int", "float", "str", "bool", "constrained-int", "constrained-float")
+                )
+            )
+        )
         key = ".".join(str(p) for p in loc) or "config"
         kind = err["type"]
         if kind == "extra_forbidden":
@@ -432,7 +476,9 @@ class _Yaml12SafeDumper(yaml.SafeDumper):
     def resolve(self, kind: Any, value: Any, implicit: Any) -> str:
         tag = super().resolve(kind, value, implicit)
         if kind is yaml.ScalarNode and implicit[0] and tag == "tag:yaml.org,2002:str":
-            resolvers = Yaml12Loader.yaml_implicit_resolvers.get(value[:1], []) + Yaml12Loader.yaml_implicit_resolvers.get(None, [])
+            resolvers = Yaml12Loader.yaml_implicit_resolvers.get(
+                value[:1], []
+            ) + Yaml12Loader.yaml_implicit_resolvers.get(None, [])
             for tag12, rx in resolvers:
                 if rx.match(value):
                     return tag12  # differs from the node's str tag, so the emitter quotes the value

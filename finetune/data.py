@@ -17,14 +17,16 @@ import math
 import random
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import datasets
 import huggingface_hub
 import torch
-from torch.utils.data import DataLoader, Dataset as TorchDataset, Sampler
+from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Dataset as TorchDataset
 
 from finetune.config import Config
 from finetune.errors import UserError
@@ -123,7 +125,9 @@ def read_file(cfg: Config, path: Path) -> datasets.Dataset:
         cause = _root_cause(exc)
         msg = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         if "corresponds to no data" in msg:  # datasets' words for a file with a header and no rows
-            raise UserError(f"{path} has no rows" + (" (only a header)" if fmt in ("csv", "tsv") and d.header else "")) from None
+            raise UserError(
+                f"{path} has no rows" + (" (only a header)" if fmt in ("csv", "tsv") and d.header else "")
+            ) from None
         raise UserError(f"cannot read {path} as {fmt}: {msg}") from None
     if fmt == "text" and d.line_regex is not None:
         ds = _apply_line_regex(ds, d.line_regex, path)
@@ -136,7 +140,9 @@ def _read_saved(path: Path) -> datasets.Dataset:
     """A dataset saved with `save_to_disk`; a saved DatasetDict has one such directory per split."""
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
-        raise UserError(f"{path} is a saved DatasetDict; point the data file at one split directory ({', '.join(splits)})")
+        raise UserError(
+            f"{path} is a saved DatasetDict; point the data file at one split directory ({', '.join(splits)})"
+        )
     if not (path / "state.json").is_file():
         raise UserError(f"data file {path} is a directory but not a saved dataset (Dataset.save_to_disk)")
     try:
@@ -179,14 +185,24 @@ def _normalize(cfg: Config, ds: datasets.Dataset, path: str, need_label: bool = 
     for role, col in wanted.items():
         values = ds[col][:]  # a list: iterating a datasets Column formats row by row (30x slower)
         for i, v in enumerate(values):
-            if v is None or (isinstance(v, float) and math.isnan(v)) or (role != "label" and isinstance(v, str) and not v.strip()):
+            if (
+                v is None
+                or (isinstance(v, float) and math.isnan(v))
+                or (role != "label" and isinstance(v, str) and not v.strip())
+            ):
                 raise UserError(f"{path} row {i + 1} (line {i + first_line}) has no value in column {col!r}")
     ds = ds.select_columns(list(wanted.values()))
     ds = ds.rename_columns({col: role for role, col in wanted.items() if col != role})
     if need_label:
         if ds.features["label"].dtype != "string":
-            ds = ds.cast_column("label", datasets.Value("string")) if ds.features["label"].dtype.startswith("int") else ds.map(
-                lambda b: {"label": [_label_str(v) for v in b["label"]]}, batched=True, features=datasets.Features({**ds.features, "label": datasets.Value("string")})
+            ds = (
+                ds.cast_column("label", datasets.Value("string"))
+                if ds.features["label"].dtype.startswith("int")
+                else ds.map(
+                    lambda b: {"label": [_label_str(v) for v in b["label"]]},
+                    batched=True,
+                    features=datasets.Features({**ds.features, "label": datasets.Value("string")}),
+                )
             )
     return ds
 
@@ -249,12 +265,17 @@ def _hub_split(cfg: Config, split: str | None) -> datasets.Dataset | None:
         return datasets.load_dataset(d.hub_dataset, d.hub_config, split=split)
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
-        if any(s in text for s in ("offline", "Offline", "ConnectionError", "connect", "resolve", "Couldn't reach", "HF_HUB_OFFLINE")):
+        if any(
+            s in text
+            for s in ("offline", "Offline", "ConnectionError", "connect", "resolve", "Couldn't reach", "HF_HUB_OFFLINE")
+        ):
             raise UserError(
                 f"cannot reach the HuggingFace hub for dataset {d.hub_dataset!r} (offline); "
                 "to use local files set data.hub_dataset=null and data.train_file / data.validation_file (e.g. configs/sst2-minilm.yaml)"
             ) from None
-        raise UserError(f"cannot load hub dataset {d.hub_dataset!r} split {split!r}: {str(exc).splitlines()[0]}") from None
+        raise UserError(
+            f"cannot load hub dataset {d.hub_dataset!r} split {split!r}: {str(exc).splitlines()[0]}"
+        ) from None
 
 
 def load_raw_splits(cfg: Config) -> RawSplits:
@@ -320,7 +341,9 @@ def _stratified_split(ds: datasets.Dataset, fraction: float, seed: int) -> tuple
 # Tokenization and the data report.
 
 
-def tokenize_split(ds: datasets.Dataset, tokenizer: Any, max_length: int, label_ids: dict[str, int] | None) -> datasets.Dataset:
+def tokenize_split(
+    ds: datasets.Dataset, tokenizer: Any, max_length: int, label_ids: dict[str, int] | None
+) -> datasets.Dataset:
     """Tokenize once (cached by `map`), truncating at max_length; keep `length` and `truncated`."""
     has_pair = "text_pair" in ds.column_names
 
@@ -386,6 +409,48 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class Data:
+    """Tokenized splits and what was learned about them."""
+
+    train: Any
+    validation: Any
+    test: Any
+    label_names: list[str]
+    report: dict[str, Any]
+    files: dict[str, Path]
+    sha256: dict[str, str]  # of each data file: provenance.json, and resume refuses changed data
+
+
+def build_data(cfg: Config, tokenizer: Any) -> Data:
+    """Read and tokenize all splits; build the data report.
+
+    Raises:
+        UserError: unreadable or inconsistent data, or options that need validation data without it.
+    """
+    raw = load_raw_splits(cfg)
+    if raw.validation is None:
+        needs = [k for k, v in (("train.eval_every_steps", cfg.train.eval_every_steps),
+                                ("train.early_stopping_patience", cfg.train.early_stopping_patience)) if v]
+        if needs:
+            raise UserError(
+                f"{' and '.join(needs)} need validation data: set data.validation_file or data.validation_split, "
+                f"or remove {' and '.join(needs)}"
+            )
+    label_ids = {
+        raw_value: raw.label_names.index(name) for raw_value, name in raw.raw_to_name.items() if name in raw.label_names
+    }
+    tok = {
+        name: tokenize_split(ds, tokenizer, cfg.data.max_length, label_ids)
+        for name, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test))
+        if ds is not None
+    }
+    report = build_data_report(raw, tok)
+    sha = {split: file_sha256(p) for split, p in raw.files.items()}
+    return Data(tok["train"], tok.get("validation"), tok.get("test"), raw.label_names, report, raw.files, sha)
+
+
+
 # ----------------------------------------------------------------------------------------------
 # Batching.
 
@@ -445,7 +510,11 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
         full = [w for w in windows if len(w) == window]
         short = [w for w in windows if len(w) != window]
         perm = torch.randperm(len(full), generator=g).tolist()
-        return [w[i : i + self.batch_size] for w in [full[i] for i in perm] + short for i in range(0, len(w), self.batch_size)]
+        return [
+            w[i : i + self.batch_size]
+            for w in [full[i] for i in perm] + short
+            for i in range(0, len(w), self.batch_size)
+        ]
 
     def __iter__(self) -> Iterator[list[tuple[int, int, float]]]:
         batches = self.batches()
@@ -589,14 +658,25 @@ class PackingCollator(Collator):
             segment_ids[row, offset : offset + n] = segments_in_row[row]
             cls_index.append(row * capacity + offset)
         batch = {
-            "input_ids": input_ids, "token_type_ids": token_type_ids, "position_ids": position_ids, "segment_ids": segment_ids,
-            "cls_index": torch.tensor(cls_index), "sequence_lengths": torch.tensor(lengths),
+            "input_ids": input_ids,
+            "token_type_ids": token_type_ids,
+            "position_ids": position_ids,
+            "segment_ids": segment_ids,
+            "cls_index": torch.tensor(cls_index),
+            "sequence_lengths": torch.tensor(lengths),
         }
         return self.add_bookkeeping(batch, features)
 
 
-def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_batch_size: int, accumulation: int, num_processes: int,
-                       attention_cost: float = 0.0) -> tuple[DataLoader, WindowedBatchSampler]:
+def build_train_loader(
+    ds: datasets.Dataset,
+    tokenizer: Any,
+    cfg: Config,
+    micro_batch_size: int,
+    accumulation: int,
+    num_processes: int,
+    attention_cost: float = 0.0,
+) -> tuple[DataLoader, WindowedBatchSampler]:
     """The training DataLoader over global micro-batches, and its sampler (for set_epoch).
 
     With `data.packing` each process packs its share of a micro-batch into rows
@@ -612,9 +692,16 @@ def build_train_loader(ds: datasets.Dataset, tokenizer: Any, cfg: Config, micro_
     )
     # its own generator: a DataLoader without one draws its base seed from the global torch RNG at
     # every iterator creation, which shifts dropout masks after a mid-epoch resume (exact resume)
-    collate = PackingCollator(tokenizer, cfg.data.max_length, attention_cost) if cfg.data.packing else Collator(tokenizer)
-    loader = DataLoader(WindowedDataset(ds), batch_sampler=sampler, collate_fn=collate, num_workers=cfg.data.num_workers,
-                        generator=torch.Generator().manual_seed(cfg.run.seed))
+    collate = (
+        PackingCollator(tokenizer, cfg.data.max_length, attention_cost) if cfg.data.packing else Collator(tokenizer)
+    )
+    loader = DataLoader(
+        WindowedDataset(ds),
+        batch_sampler=sampler,
+        collate_fn=collate,
+        num_workers=cfg.data.num_workers,
+        generator=torch.Generator().manual_seed(cfg.run.seed),
+    )
     return loader, sampler
 
 
@@ -623,5 +710,11 @@ def build_eval_loader(ds: datasets.Dataset, tokenizer: Any, batch_size: int, num
     lengths = ds["length"][:]
     order = sorted(range(len(ds)), key=lambda i: lengths[i])
     # own generator: evaluating must not consume the global RNG (it would change later dropout masks)
-    return DataLoader(WindowedDataset(ds.select(order)), batch_size=batch_size, shuffle=False, collate_fn=Collator(tokenizer), num_workers=num_workers,
-                      generator=torch.Generator())
+    return DataLoader(
+        WindowedDataset(ds.select(order)),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=Collator(tokenizer),
+        num_workers=num_workers,
+        generator=torch.Generator(),
+    )

@@ -206,7 +206,9 @@ class MemoryMonitor:
             self._tracker = tracker
             self._sample_step = step + 1
         except Exception as exc:  # the report says why there is no breakdown; training goes on
-            logger.warning(f"warning: MemTracker could not start ({type(exc).__name__}: {exc}); memory breakdown from measured peaks")
+            logger.warning(
+                f"warning: MemTracker could not start ({type(exc).__name__}: {exc}); memory breakdown from measured peaks"
+            )
             self._tracker = None
             self.sample = {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -221,7 +223,10 @@ class MemoryMonitor:
         dev = next((d for d in snap if torch.device(d).type == self.device.type), None)
         peak = snap.get(dev, {}) if dev is not None else {}
         # keys are _MemRefType members ("Parameter", "Activation", ...) and the string "Total"
-        self.sample = {"step": self._sample_step, "peak": {getattr(k, "value", str(k)): int(v) for k, v in peak.items()}}
+        self.sample = {
+            "step": self._sample_step,
+            "peak": {getattr(k, "value", str(k)): int(v) for k, v in peak.items()},
+        }
 
     # -- the report ----------------------------------------------------------------------------
 
@@ -327,12 +332,24 @@ def _mib(v: Any) -> str:
 def format_markdown(rep: dict[str, Any]) -> str:
     """memory.md: the report as a table, with its method and configuration."""
     lines = [f"# Memory at step {rep['step']} ({rep['device']})", "", "| what | MiB | bytes |", "|---|---:|---:|"]
-    for key in ("parameters_bytes", "buffers_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "temporaries_bytes", "peak_bytes"):
-        lines.append(f"| {key.removesuffix('_bytes')} | {_mib(rep.get(key))} | {rep.get(key) if rep.get(key) is not None else '-'} |")
+    for key in (
+        "parameters_bytes",
+        "buffers_bytes",
+        "gradients_bytes",
+        "optimizer_state_bytes",
+        "activations_bytes",
+        "temporaries_bytes",
+        "peak_bytes",
+    ):
+        lines.append(
+            f"| {key.removesuffix('_bytes')} | {_mib(rep.get(key))} | {rep.get(key) if rep.get(key) is not None else '-'} |"
+        )
     lines += ["", f"Breakdown at the peak: {rep['breakdown_method']}.", f"Gradients: {rep['gradients_source']}.", ""]
     cpu = rep.get("cpu") or {}
     if cpu.get("peak_rss_bytes"):
-        lines.append(f"CPU peak RSS ({cpu['peak_rss_scope']}): {_mib(cpu['peak_rss_bytes'])} MiB; now {_mib(cpu['current_rss_bytes'])} MiB.")
+        lines.append(
+            f"CPU peak RSS ({cpu['peak_rss_scope']}): {_mib(cpu['peak_rss_bytes'])} MiB; now {_mib(cpu['current_rss_bytes'])} MiB."
+        )
     cuda = rep.get("cuda")
     if cuda:
         lines += [
@@ -399,12 +416,39 @@ def report_table(run_dir: Path) -> str:
     rows = []
     for r in reports:
         cuda, cpu = r.get("cuda"), r.get("cpu") or {}
-        device_peak = f"{_mib(cuda['peak_allocated_bytes'])} alloc / {_mib(cuda['peak_reserved_bytes'])} resv" if cuda else f"{_mib(cpu.get('peak_rss_bytes'))} RSS"
+        device_peak = (
+            f"{_mib(cuda['peak_allocated_bytes'])} alloc / {_mib(cuda['peak_reserved_bytes'])} resv"
+            if cuda
+            else f"{_mib(cpu.get('peak_rss_bytes'))} RSS"
+        )
         method = r["breakdown_method"].split(" (")[0]
-        rows.append([str(r["step"]), *(_mib(r.get(k)) for k in ("peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "temporaries_bytes")), device_peak, method])
+        rows.append(
+            [
+                str(r["step"]),
+                *(
+                    _mib(r.get(k))
+                    for k in (
+                        "peak_bytes",
+                        "parameters_bytes",
+                        "gradients_bytes",
+                        "optimizer_state_bytes",
+                        "activations_bytes",
+                        "temporaries_bytes",
+                    )
+                ),
+                device_peak,
+                method,
+            ]
+        )
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(c.rjust(w) if i < len(head) - 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    fmt = lambda cells: "  ".join(
+        c.rjust(w) if i < len(head) - 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+    )  # noqa: E731
     cfg = reports[-1].get("config", {})
-    lines = [f"memory per checkpoint of {run_dir} (MiB; {', '.join(f'{k}={v}' for k, v in cfg.items())})", fmt(head), fmt(["-" * w for w in widths])]
+    lines = [
+        f"memory per checkpoint of {run_dir} (MiB; {', '.join(f'{k}={v}' for k, v in cfg.items())})",
+        fmt(head),
+        fmt(["-" * w for w in widths]),
+    ]
     lines += [fmt(r) for r in rows]
     return "\n".join(lines)

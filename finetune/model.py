@@ -85,7 +85,9 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
         arch.setdefault("vocab_size", len(tokenizer))
         arch.setdefault("pad_token_id", tokenizer.pad_token_id)
         try:
-            config = AutoConfig.for_model(model_type, num_labels=len(label_names), id2label=id2label, label2id=label2id, **arch)
+            config = AutoConfig.for_model(
+                model_type, num_labels=len(label_names), id2label=id2label, label2id=label2id, **arch
+            )
         except (ValueError, TypeError) as exc:
             raise UserError(f"model.architecture: {exc}") from None
         model = AutoModelForSequenceClassification.from_config(config)
@@ -140,7 +142,9 @@ def add_lora(model: PreTrainedModel, lora: Any) -> Any:
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [t for t in lora.target_modules if t not in names]
     if missing:
-        raise UserError(f"model.lora.target_modules: {missing} are not module names of this model (e.g. query, key, value, dense)")
+        raise UserError(
+            f"model.lora.target_modules: {missing} are not module names of this model (e.g. query, key, value, dense)"
+        )
     config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=lora.r,
@@ -174,7 +178,12 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
 
 # The module whose input is the whole sequence output and which reads its first token, per model
 # type; a forward pre-hook hands it the first token of every packed sequence instead.
-PACKED_POOLING = {"bert": "base_model.pooler", "roberta": "classifier", "xlm-roberta": "classifier", "electra": "classifier"}
+PACKED_POOLING = {
+    "bert": "base_model.pooler",
+    "roberta": "classifier",
+    "xlm-roberta": "classifier",
+    "electra": "classifier",
+}
 # position embeddings of these start at padding_idx + 1
 POSITIONS_AFTER_PAD = ("roberta", "xlm-roberta")
 
@@ -192,7 +201,9 @@ def check_packing(model: torch.nn.Module) -> None:
     hf = _classifier_of(model)
     kind = hf.config.model_type
     if kind not in PACKED_POOLING:
-        raise UserError(f"data.packing supports model types {sorted(PACKED_POOLING)}; this model is {kind!r}: set data.packing=false")
+        raise UserError(
+            f"data.packing supports model types {sorted(PACKED_POOLING)}; this model is {kind!r}: set data.packing=false"
+        )
     if hf.config.model_type == "bert" and getattr(hf.base_model, "pooler", None) is None:
         raise UserError("data.packing needs the BERT pooler (the classifier reads it): set data.packing=false")
     impl = getattr(hf.config, "_attn_implementation", None) or "eager"
@@ -235,6 +246,11 @@ def packed_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
 
     handle = pooling.register_forward_pre_hook(first_tokens)
     try:
-        return model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"], position_ids=positions, attention_mask=mask).logits
+        return model(
+            input_ids=batch["input_ids"],
+            token_type_ids=batch["token_type_ids"],
+            position_ids=positions,
+            attention_mask=mask,
+        ).logits
     finally:
         handle.remove()

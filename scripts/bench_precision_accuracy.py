@@ -31,11 +31,22 @@ def one_run(mode: str, seed: int, args: argparse.Namespace, out_dir: Path) -> di
     if mode == "bf16-true-plain":
         real_mode, extra = "bf16-true", ["precision.bf16_update=plain"]
     cmd = [
-        sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(ROOT / "configs" / "sst2-minilm.yaml"),
-        f"run.output_dir={run_dir}", "run.overwrite=true", f"run.seed={seed}", f"precision.mode={real_mode}",
-        f"data.max_train_samples={args.train_samples}", f"train.max_steps={args.steps}", f"train.learning_rate={args.lr}",
-        f"train.micro_batch_size={args.batch_size}", "train.eval_every_steps=null", "checkpoint.every_steps=null",
-        f"data.max_eval_samples={args.eval_samples}", f"data.max_length={args.max_length}",
+        sys.executable,
+        str(ROOT / "finetune" / "train.py"),
+        "--config",
+        str(ROOT / "configs" / "sst2-minilm.yaml"),
+        f"run.output_dir={run_dir}",
+        "run.overwrite=true",
+        f"run.seed={seed}",
+        f"precision.mode={real_mode}",
+        f"data.max_train_samples={args.train_samples}",
+        f"train.max_steps={args.steps}",
+        f"train.learning_rate={args.lr}",
+        f"train.micro_batch_size={args.batch_size}",
+        "train.eval_every_steps=null",
+        "checkpoint.every_steps=null",
+        f"data.max_eval_samples={args.eval_samples}",
+        f"data.max_length={args.max_length}",
         *extra,
     ]
     t0 = time.perf_counter()
@@ -65,15 +76,23 @@ def main() -> None:
         for mode in args.modes:
             r = one_run(mode, seed, args, args.work)
             results[mode].append({"seed": seed, **r})
-            print(f"seed {seed} {mode}: accuracy {r['accuracy']:.4f} loss {r['loss']:.4f} ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    print(f"\nSST-2 dev (first {args.eval_samples} of 872), all-MiniLM-L6-v2, {args.steps} steps x batch {args.batch_size} from "
-          f"{args.train_samples} training rows, max_length {args.max_length}, lr {args.lr:g}, seeds {args.seeds}")
+            print(
+                f"seed {seed} {mode}: accuracy {r['accuracy']:.4f} loss {r['loss']:.4f} ({r['wall_s']:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(
+        f"\nSST-2 dev (first {args.eval_samples} of 872), all-MiniLM-L6-v2, {args.steps} steps x batch {args.batch_size} from "
+        f"{args.train_samples} training rows, max_length {args.max_length}, lr {args.lr:g}, seeds {args.seeds}"
+    )
     print("| mode | median dev accuracy | per seed | median dev loss | median wall s |")
     print("|---|---|---|---|---|")
     for mode, rows in results.items():
         accs = [r["accuracy"] for r in rows]
-        print(f"| {mode} | {statistics.median(accs):.4f} | {', '.join(f'{a:.4f}' for a in accs)} | "
-              f"{statistics.median(r['loss'] for r in rows):.4f} | {statistics.median(r['wall_s'] for r in rows):.0f} |")
+        print(
+            f"| {mode} | {statistics.median(accs):.4f} | {', '.join(f'{a:.4f}' for a in accs)} | "
+            f"{statistics.median(r['loss'] for r in rows):.4f} | {statistics.median(r['wall_s'] for r in rows):.0f} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
 

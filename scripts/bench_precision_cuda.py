@@ -73,16 +73,25 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--eval-samples", type=int, default=872)
-    ap.add_argument("--model", default=None, help="model.name_or_path (a local copy of MiniLM's weights on a machine without the package)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model.name_or_path (a local copy of MiniLM's weights on a machine without the package)",
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_precision_cuda"))
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_precision_cuda.json")
-    ap.add_argument("--device-ok-cpu", action="store_true", help="run without CUDA (plumbing check; numbers are CPU RSS)")
+    ap.add_argument(
+        "--device-ok-cpu", action="store_true", help="run without CUDA (plumbing check; numbers are CPU RSS)"
+    )
     ap.add_argument("override", nargs="*", help="extra dotted.key=value overrides for every cell")
     args = ap.parse_args()
     import torch
 
     if not torch.cuda.is_available() and not args.device_ok_cpu:
-        print("error: no CUDA device (this is the GPU matrix; --device-ok-cpu runs it on the CPU for a plumbing check)", file=sys.stderr)
+        print(
+            "error: no CUDA device (this is the GPU matrix; --device-ok-cpu runs it on the CPU for a plumbing check)",
+            file=sys.stderr,
+        )
         return 2
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     cells = []
@@ -92,17 +101,23 @@ def main() -> int:
             cells.append(cell)
             print(json.dumps(cell), file=sys.stderr, flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"device": device, "torch": torch.__version__, "steps": args.steps, "cells": cells}, indent=2))
+    args.json.write_text(
+        json.dumps({"device": device, "torch": torch.__version__, "steps": args.steps, "cells": cells}, indent=2)
+    )
     print(f"{device}, torch {torch.__version__}: {args.steps} steps x 32 SST-2 rows, max_length {args.max_length}")
-    print("| mode | compile | samples/s | ms/step | first interval s (incl. compile) | peak allocated MiB | graphs | fp16 skipped steps | dev accuracy |")
+    print(
+        "| mode | compile | samples/s | ms/step | first interval s (incl. compile) | peak allocated MiB | graphs | fp16 skipped steps | dev accuracy |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for c in cells:
         if "error" in c:
             print(f"| {c['mode']} | {'on' if c['compile'] else 'off'} | refused: {c['error']} | | | | | | |")
             continue
-        print(f"| {c['mode']} | {'on' if c['compile'] else 'off'} | {c['samples_per_s']:.0f} | {c['ms_per_step']:.1f} | {c['first_interval_s']:.1f} | "
-              f"{c['peak_allocated_mib']:,.0f} | {c['compile_graphs'] if c['compile_graphs'] is not None else '-'} | "
-              f"{c['scaler_skipped_steps'] if c['scaler_skipped_steps'] is not None else '-'} | {c['accuracy']:.4f} |")
+        print(
+            f"| {c['mode']} | {'on' if c['compile'] else 'off'} | {c['samples_per_s']:.0f} | {c['ms_per_step']:.1f} | {c['first_interval_s']:.1f} | "
+            f"{c['peak_allocated_mib']:,.0f} | {c['compile_graphs'] if c['compile_graphs'] is not None else '-'} | "
+            f"{c['scaler_skipped_steps'] if c['scaler_skipped_steps'] is not None else '-'} | {c['accuracy']:.4f} |"
+        )
     return 0
 
 

@@ -45,7 +45,8 @@ import torch.nn.functional as F  # noqa: E402
 from finetune.config import Config, load_config  # noqa: E402
 from finetune.data import build_train_loader, load_raw_splits  # noqa: E402
 from finetune.model import build_model, build_tokenizer, resolve_model_path  # noqa: E402
-from finetune.train import build_data, build_optimizer, build_scheduler, planned_steps  # noqa: E402
+from finetune.data import build_data  # noqa: E402
+from finetune.optim import build_optimizer, build_scheduler, planned_steps  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 
@@ -144,7 +145,9 @@ class _TargetReached(Exception):
     """Time-to-accuracy: finetune's run crossed the target (the run is abandoned there)."""
 
 
-def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int | None = None, packed: bool = False) -> dict[str, Any]:
+def run_finetune(
+    args: argparse.Namespace, seed: int, rows: int, eval_every: int | None = None, packed: bool = False
+) -> dict[str, Any]:
     """finetune's real code path; samples/s and padding as its loop logged them (`packed`: data.packing=true)."""
     import finetune.train as ft
     from finetune.data import WindowedBatchSampler
@@ -178,7 +181,9 @@ def run_finetune(args: argparse.Namespace, seed: int, rows: int, eval_every: int
         ft.time = _CpuTime()  # type: ignore[assignment]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-ft-") as tmp:
-            extra = [f"train.eval_every_steps={eval_every}", f"train.log_every_steps={eval_every}"] if eval_every else []
+            extra = (
+                [f"train.eval_every_steps={eval_every}", f"train.log_every_steps={eval_every}"] if eval_every else []
+            )
             extra += ["data.packing=true"] * packed
             cfg = make_config(args, Path(tmp) / "run", seed, rows, extra)
             try:
@@ -222,7 +227,14 @@ def _trainer_data(cfg: Config, tokenizer: Any) -> Any:
     return raw.train.map(enc, batched=True, remove_columns=raw.train.column_names)
 
 
-def run_trainer(args: argparse.Namespace, seed: int, rows: int, grouped: bool, dev: DevSet | None = None, eval_every: int | None = None) -> dict[str, Any]:
+def run_trainer(
+    args: argparse.Namespace,
+    seed: int,
+    rows: int,
+    grouped: bool,
+    dev: DevSet | None = None,
+    eval_every: int | None = None,
+) -> dict[str, Any]:
     """transformers.Trainer with its defaults (plus the shared hyper-parameters)."""
     from transformers import (
         AutoModelForSequenceClassification,
@@ -240,7 +252,9 @@ def run_trainer(args: argparse.Namespace, seed: int, rows: int, grouped: bool, d
         steps_per_epoch = math.ceil(len(train_ds) / args.micro)
         total = planned_steps(cfg, steps_per_epoch)[0]
         set_seed(seed)
-        model = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(cfg.model.name_or_path or ""), num_labels=2)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            resolve_model_path(cfg.model.name_or_path or ""), num_labels=2
+        )
         targs = TrainingArguments(
             output_dir=tmp,
             report_to="none",
@@ -268,7 +282,13 @@ def run_trainer(args: argparse.Namespace, seed: int, rows: int, grouped: bool, d
             def on_train_end(self, *a: Any, **k: Any) -> None:
                 clock["t1"], clock["cpu1"] = time.perf_counter(), time.process_time()
 
-        trainer = Trainer(model=model, args=targs, train_dataset=train_ds, data_collator=DataCollatorWithPadding(tokenizer), callbacks=[Clock()])
+        trainer = Trainer(
+            model=model,
+            args=targs,
+            train_dataset=train_ds,
+            data_collator=DataCollatorWithPadding(tokenizer),
+            callbacks=[Clock()],
+        )
         trainer.train()
         seconds = clock["t1"] - clock["t0"] - (clock["excluded"] if args.clock == "wall" else 0.0)
         out: dict[str, Any] = {"samples_per_s": len(train_ds) * args.epochs / seconds, "curve": clock["curve"]}
@@ -339,23 +359,38 @@ def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
                 r = run_trainer(args, args.seed, args.rows, grouped=name == "trainer-grouped", dev=dev)
             r.pop("curve", None)
             results[name].append(r)
-            print(f"[repeat {rep + 1}/{args.repeats}] {name:16s} {r['samples_per_s']:7.1f} samples/s  {r['samples_per_cpu_s']:7.1f} samples/cpu-s  "
-                  f"acc {r['accuracy']:.4f}  padding {r['padding_fraction']:.3f}  ({time.perf_counter() - t:.0f} s)", flush=True)
+            print(
+                f"[repeat {rep + 1}/{args.repeats}] {name:16s} {r['samples_per_s']:7.1f} samples/s  {r['samples_per_cpu_s']:7.1f} samples/cpu-s  "
+                f"acc {r['accuracy']:.4f}  padding {r['padding_fraction']:.3f}  ({time.perf_counter() - t:.0f} s)",
+                flush=True,
+            )
             gc.collect()
     keys = ("samples_per_s", "samples_per_cpu_s", "accuracy", "padding_fraction")
     summary = {n: {k: _median([r[k] for r in rs]) for k in keys} for n, rs in results.items()}
     # ratios per repeat (side by side), then their median
     ratios = {
-        f"{a}/{b}" + (" (cpu)" if k == "samples_per_cpu_s" else ""): _median([x[k] / y[k] for x, y in zip(results[a], results[b])])
+        f"{a}/{b}" + (" (cpu)" if k == "samples_per_cpu_s" else ""): _median(
+            [x[k] / y[k] for x, y in zip(results[a], results[b])]
+        )
         for k in ("samples_per_s", "samples_per_cpu_s")
-        for a, b in (("finetune", "trainer"), ("finetune", "trainer-grouped"), ("finetune-packed", "trainer"), ("finetune-packed", "trainer-grouped"),
-                     ("finetune-packed", "finetune"), ("trainer-grouped", "trainer"))
+        for a, b in (
+            ("finetune", "trainer"),
+            ("finetune", "trainer-grouped"),
+            ("finetune-packed", "trainer"),
+            ("finetune-packed", "trainer-grouped"),
+            ("finetune-packed", "finetune"),
+            ("trainer-grouped", "trainer"),
+        )
     }
-    print(f"\nmedian of {args.repeats} alternating repeats; {args.rows} rows, micro-batch {args.micro}, max length {args.max_length}, "
-          f"fp32, lr {cfg.train.learning_rate}, seed {args.seed}, torch threads {torch.get_num_threads()}")
+    print(
+        f"\nmedian of {args.repeats} alternating repeats; {args.rows} rows, micro-batch {args.micro}, max length {args.max_length}, "
+        f"fp32, lr {cfg.train.learning_rate}, seed {args.seed}, torch threads {torch.get_num_threads()}"
+    )
     print(f"{'':16s} {'samples/s':>10s} {'samples/cpu-s':>14s} {'dev acc':>8s} {'padding':>8s}")
     for n, s in summary.items():
-        print(f"{n:16s} {s['samples_per_s']:10.1f} {s['samples_per_cpu_s']:14.1f} {s['accuracy']:8.4f} {s['padding_fraction']:8.3f}")
+        print(
+            f"{n:16s} {s['samples_per_s']:10.1f} {s['samples_per_cpu_s']:14.1f} {s['accuracy']:8.4f} {s['padding_fraction']:8.3f}"
+        )
     for k, v in ratios.items():
         print(f"ratio {k}: {v:.2f}x")
     return {"mode": "throughput", "runs": results, "median": summary, "ratios": ratios}
@@ -382,12 +417,19 @@ def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
         for name, fn in pair if rep % 2 == 0 else pair[::-1]:
             r = fn(args, args.seed, args.rows)
             (ours if name == "finetune" else minimal).append(r)
-            print(f"[repeat {rep + 1}/{args.repeats}] {name:9s} {r['samples_per_s']:7.1f} samples/s  {r['samples_per_cpu_s']:7.1f} samples/cpu-s", flush=True)
+            print(
+                f"[repeat {rep + 1}/{args.repeats}] {name:9s} {r['samples_per_s']:7.1f} samples/s  {r['samples_per_cpu_s']:7.1f} samples/cpu-s",
+                flush=True,
+            )
             gc.collect()
-    overhead = {k: _median([m[k] / o[k] - 1.0 for o, m in zip(ours, minimal)]) for k in ("samples_per_s", "samples_per_cpu_s")}
-    print(f"\nour loop vs a minimal loop over identical batches (median of {args.repeats}): "
-          f"finetune {_median([o['samples_per_s'] for o in ours]):.1f} samples/s, minimal {_median([m['samples_per_s'] for m in minimal]):.1f}; "
-          f"overhead {100 * overhead['samples_per_s']:+.1f}% wall, {100 * overhead['samples_per_cpu_s']:+.1f}% cpu time")
+    overhead = {
+        k: _median([m[k] / o[k] - 1.0 for o, m in zip(ours, minimal)]) for k in ("samples_per_s", "samples_per_cpu_s")
+    }
+    print(
+        f"\nour loop vs a minimal loop over identical batches (median of {args.repeats}): "
+        f"finetune {_median([o['samples_per_s'] for o in ours]):.1f} samples/s, minimal {_median([m['samples_per_s'] for m in minimal]):.1f}; "
+        f"overhead {100 * overhead['samples_per_s']:+.1f}% wall, {100 * overhead['samples_per_cpu_s']:+.1f}% cpu time"
+    )
     return {"mode": "overhead", "finetune": ours, "minimal": minimal, "overhead": overhead}
 
 
@@ -406,12 +448,17 @@ def mode_target(args: argparse.Namespace) -> dict[str, Any]:
             if name == "finetune":
                 r = run_finetune(args, seed, args.rows, eval_every=args.eval_every)
             else:
-                r = run_trainer(args, seed, args.rows, grouped=name == "trainer-grouped", dev=dev, eval_every=args.eval_every)
+                r = run_trainer(
+                    args, seed, args.rows, grouped=name == "trainer-grouped", dev=dev, eval_every=args.eval_every
+                )
             t = _first_crossing(r["curve"], args.target_acc)
             times[name].append(t)
             curves[name].append(r["curve"])
             best = max((acc for _, _, acc in r["curve"]), default=float("nan"))
-            print(f"[seed {seed}] {name:16s} time to {args.target_acc:.2f}: {'not reached' if t is None else f'{t:.0f} s'} (best {best:.4f})", flush=True)
+            print(
+                f"[seed {seed}] {name:16s} time to {args.target_acc:.2f}: {'not reached' if t is None else f'{t:.0f} s'} (best {best:.4f})",
+                flush=True,
+            )
             gc.collect()
 
     def med(xs: list[float | None]) -> float | None:
@@ -419,12 +466,21 @@ def mode_target(args: argparse.Namespace) -> dict[str, Any]:
         return statistics.median([math.inf if x is None else x for x in xs])
 
     summary = {n: med(ts) for n, ts in times.items()}
-    print(f"\n{args.clock} time to first reach {args.target_acc:.2f} dev accuracy (training only, evaluation every {args.eval_every} steps excluded), median over {args.seeds} seeds:")
+    print(
+        f"\n{args.clock} time to first reach {args.target_acc:.2f} dev accuracy (training only, evaluation every {args.eval_every} steps excluded), median over {args.seeds} seeds:"
+    )
     for n, v in summary.items():
         print(f"{n:16s} {v:8.0f} s")
     ratio = summary["finetune"] / summary["trainer"] if summary["trainer"] not in (None, math.inf, 0) else float("nan")
     print(f"ratio finetune/trainer: {ratio:.2f}x")
-    return {"mode": "target", "target": args.target_acc, "times": times, "curves": curves, "median": summary, "ratio": ratio}
+    return {
+        "mode": "target",
+        "target": args.target_acc,
+        "times": times,
+        "curves": curves,
+        "median": summary,
+        "ratio": ratio,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,10 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-acc", type=float, default=None, help="time-to-accuracy mode: the dev accuracy to reach")
     p.add_argument("--seeds", type=int, default=3, help="time-to-accuracy: seeds (median)")
     p.add_argument("--eval-every", type=int, default=25, help="time-to-accuracy: evaluate every N optimizer steps")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="time-to-accuracy: wall time, or process CPU time (robust on a shared machine; use with --threads 1)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="time-to-accuracy: wall time, or process CPU time (robust on a shared machine; use with --threads 1)",
+    )
     p.add_argument("--with-grouped", action="store_true", help="time-to-accuracy: also Trainer with group_by_length")
-    p.add_argument("--warmup-rows", type=int, default=64, help="rows of the discarded warm-up run of each code path (0: none)")
+    p.add_argument(
+        "--warmup-rows", type=int, default=64, help="rows of the discarded warm-up run of each code path (0: none)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write all results here")
     p.add_argument("override", nargs="*", help="extra finetune overrides (dotted.key=value) for every contestant")

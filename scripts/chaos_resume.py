@@ -45,13 +45,28 @@ OVERRIDES = [
 ]
 
 
-def launch(config: str, overrides: list[str], out_dir: Path, log: Path, resume: bool, threads: int) -> subprocess.Popen[bytes]:
+def launch(
+    config: str, overrides: list[str], out_dir: Path, log: Path, resume: bool, threads: int
+) -> subprocess.Popen[bytes]:
     """One training process (`python finetune/train.py`), its output to `log`."""
-    cmd = [sys.executable, str(ROOT / "finetune" / "train.py"), "--config", config, *overrides, f"run.output_dir={out_dir}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "finetune" / "train.py"),
+        "--config",
+        config,
+        *overrides,
+        f"run.output_dir={out_dir}",
+    ]
     cmd.append("checkpoint.resume=auto" if resume else "run.overwrite=true")
     # one intra-op thread: on a shared 2-core machine OpenMP threads that spin-wait for a descheduled
     # sibling make a step several times slower; the reference and the chaos runs use the same setting
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(threads),
+    }
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
 
@@ -130,9 +145,14 @@ def main() -> int:
         print(ref_log.read_text()[-3000:], file=sys.stderr)
         return 1
     train_s = time.monotonic() - t_train
-    total_steps = max(r["step"] for r in map(json.loads, (out / "reference" / "metrics.jsonl").read_text().splitlines()))
+    total_steps = max(
+        r["step"] for r in map(json.loads, (out / "reference" / "metrics.jsonl").read_text().splitlines())
+    )
     step_s = train_s / total_steps
-    print(f"reference: {time.monotonic() - t0:.0f} s ({total_steps} steps, {step_s:.1f} s per step with saves)", flush=True)
+    print(
+        f"reference: {time.monotonic() - t0:.0f} s ({total_steps} steps, {step_s:.1f} s per step with saves)",
+        flush=True,
+    )
 
     run = out / "chaos"
     events = []
@@ -169,7 +189,9 @@ def main() -> int:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         complete = [p.name for p in ckpt.list_checkpoints(run) if ckpt.verify_checkpoint(p) is None]
-        events.append({"kill": k + 1, "mode": mode, "during_save": in_save, "killed": True, "complete_checkpoints": complete})
+        events.append(
+            {"kill": k + 1, "mode": mode, "during_save": in_save, "killed": True, "complete_checkpoints": complete}
+        )
         print(f"kill {k + 1:2d} ({mode}, during save: {in_save}): complete checkpoints {complete}", flush=True)
 
     # Let the last launch finish.
@@ -181,7 +203,11 @@ def main() -> int:
     rc = proc.wait()
     kills = [e for e in events if e.get("killed")]
     ok = [e for e in kills if str(e.get("next_launch", "")).startswith(("resumed", "started"))]
-    diff = max_abs_diff(out / "reference" / "final" / "model.safetensors", run / "final" / "model.safetensors") if rc == 0 else None
+    diff = (
+        max_abs_diff(out / "reference" / "final" / "model.safetensors", run / "final" / "model.safetensors")
+        if rc == 0
+        else None
+    )
     ref_losses = [json.loads(x) for x in (out / "reference" / "metrics.jsonl").read_text().splitlines()]
     got_losses = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
     same_losses = [r.get("loss") for r in ref_losses] == [r.get("loss") for r in got_losses]

@@ -14,8 +14,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # a tiny-debug run ~3x slower (10.0 s vs 3.7 s side by side); subprocesses inherit this too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -45,7 +46,9 @@ def one_thread() -> Any:
 def data_dir() -> Path:
     """The real data directory (env FINETUNE_DATA_DIR, default <repo>/../shared/data); skip when absent."""
     if not (DATA_DIR / "sst2" / "train.tsv").is_file():
-        pytest.skip(f"data directory not found: {DATA_DIR} (set FINETUNE_DATA_DIR to the folder holding sst2/, ag_news/, sms_spam/, trec/)")
+        pytest.skip(
+            f"data directory not found: {DATA_DIR} (set FINETUNE_DATA_DIR to the folder holding sst2/, ag_news/, sms_spam/, trec/)"
+        )
     return DATA_DIR
 
 
@@ -66,6 +69,7 @@ def write_tiny_config(directory: Path, updates: dict[str, Any] | None = None, na
     raw["run"]["output_dir"] = str(directory / "run")
     # small and quiet by default: evaluation and logging every few steps only cost time here
     raw["train"]["eval_every_steps"] = None
+    raw["run"]["num_threads"] = 1  # tiny models gain nothing from threads (and the box is shared)
     for key, value in (updates or {}).items():
         if value is ...:
             *parents, last = key.split(".")

@@ -10,18 +10,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from conftest import ROOT, write_tiny_config
 
 from finetune.config import load_config
 from finetune.data import load_raw_splits
 from finetune.train import main as train_main
 
-from conftest import ROOT, write_tiny_config
-
-GOOD_TRAIN = "text,label\nsuch a good film,pos\nawful and dull,neg\nloved it,pos\nboring,neg\nfine work,pos\nweak plot,neg\n"
+GOOD_TRAIN = (
+    "text,label\nsuch a good film,pos\nawful and dull,neg\nloved it,pos\nboring,neg\nfine work,pos\nweak plot,neg\n"
+)
 GOOD_VAL = "text,label\nwonderful,pos\nterrible,neg\n"
 
 
@@ -55,7 +56,14 @@ def case(tmp_path: Path, data_dir: Path) -> Callable[..., tuple[Path, Path]]:
     return make
 
 
-def _expect_error(argv: list[str], out: Path, capsys: pytest.CaptureFixture[str], *needles: str, before: list[str] | None = None, entry: Callable[[list[str]], int] = train_main) -> str:
+def _expect_error(
+    argv: list[str],
+    out: Path,
+    capsys: pytest.CaptureFixture[str],
+    *needles: str,
+    before: list[str] | None = None,
+    entry: Callable[[list[str]], int] = train_main,
+) -> str:
     code = entry(argv)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -85,7 +93,13 @@ def test_the_base_case_is_valid(case: Callable[..., tuple[Path, Path]]) -> None:
 
 def test_unknown_key(case, capsys) -> None:
     cfg, out = case()
-    _expect_error(["--config", str(cfg), "train.learning_rat=1e-4"], out, capsys, "train.learning_rat", "did you mean train.learning_rate?")
+    _expect_error(
+        ["--config", str(cfg), "train.learning_rat=1e-4"],
+        out,
+        capsys,
+        "train.learning_rat",
+        "did you mean train.learning_rate?",
+    )
 
 
 def test_mistyped_value(case, capsys) -> None:
@@ -105,7 +119,14 @@ def test_missing_config_file(case, capsys, tmp_path: Path) -> None:
     _expect_error(["--config", str(tmp_path / "nope.yaml")], out, capsys, "nope.yaml", "does not exist")
 
 
-@pytest.mark.parametrize("override,key", [("train.micro_batch_size=0", "train.micro_batch_size"), ("data.max_length=-5", "data.max_length"), ("train.epochs=0", "train.epochs")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.micro_batch_size=0", "train.micro_batch_size"),
+        ("data.max_length=-5", "data.max_length"),
+        ("train.epochs=0", "train.epochs"),
+    ],
+)
 def test_non_positive_size(case, capsys, override: str, key: str) -> None:
     cfg, out = case()
     _expect_error(["--config", str(cfg), override], out, capsys, key, "greater than 0")
@@ -122,7 +143,9 @@ def test_missing_data_file(case, capsys) -> None:
 
 def test_missing_column(case, capsys) -> None:
     cfg, out = case()
-    _expect_error(["--config", str(cfg), "data.text_column=sentence"], out, capsys, "train.csv", "'sentence'", "data.text_column")
+    _expect_error(
+        ["--config", str(cfg), "data.text_column=sentence"], out, capsys, "train.csv", "'sentence'", "data.text_column"
+    )
 
 
 def test_empty_file(case, capsys) -> None:
@@ -151,7 +174,15 @@ def test_test_label_unseen_in_training(case, capsys) -> None:
 
 
 def test_row_with_an_extra_field(case, capsys) -> None:
-    cfg, out = case({"data.train_file": "train.tsv", "data.validation_file": None, "data.validation_split": 0.5, "data.quoting": "none"}, data={"train.tsv": "text\tlabel\ngood\tpos\nbad\tneg\tspare\n"})
+    cfg, out = case(
+        {
+            "data.train_file": "train.tsv",
+            "data.validation_file": None,
+            "data.validation_split": 0.5,
+            "data.quoting": "none",
+        },
+        data={"train.tsv": "text\tlabel\ngood\tpos\nbad\tneg\tspare\n"},
+    )
     _expect_error(["--config", str(cfg)], out, capsys, "train.tsv", "line 3")
 
 
@@ -167,7 +198,12 @@ def test_label_not_in_label_map(case, capsys) -> None:
 
 def test_line_regex_mismatch(case, capsys) -> None:
     cfg, out = case(
-        {"data.train_file": "q.txt", "data.validation_file": None, "data.validation_split": 0.5, "data.line_regex": r"^(?P<label>[A-Z]+):\S+ (?P<text>.+)$"},
+        {
+            "data.train_file": "q.txt",
+            "data.validation_file": None,
+            "data.validation_split": 0.5,
+            "data.line_regex": r"^(?P<label>[A-Z]+):\S+ (?P<text>.+)$",
+        },
         data={"q.txt": "NUM:dist How far ?\nHUM:ind Who ?\njust a question\n"},
     )
     _expect_error(["--config", str(cfg)], out, capsys, "q.txt", "line 3", "data.line_regex")
@@ -178,7 +214,9 @@ def test_line_regex_mismatch(case, capsys) -> None:
 
 
 def test_model_path_does_not_exist(case, capsys, tmp_path: Path) -> None:
-    cfg, out = case({"model.architecture": None, "model.tokenizer": None, "model.name_or_path": str(tmp_path / "no_model")})
+    cfg, out = case(
+        {"model.architecture": None, "model.tokenizer": None, "model.name_or_path": str(tmp_path / "no_model")}
+    )
     _expect_error(["--config", str(cfg)], out, capsys, "no_model", "does not exist", "model.name_or_path")
 
 
@@ -196,7 +234,14 @@ def test_overwrite_keeps_old_results_when_the_input_is_bad(case, capsys) -> None
     out.mkdir()
     (out / "config.yaml").write_text("{}")  # an earlier run
     (out / "eval.json").write_text("{}")
-    _expect_error(["--config", str(cfg), "run.overwrite=true"], out, capsys, "val.csv", "'neutral'", before=["config.yaml", "eval.json"])
+    _expect_error(
+        ["--config", str(cfg), "run.overwrite=true"],
+        out,
+        capsys,
+        "val.csv",
+        "'neutral'",
+        before=["config.yaml", "eval.json"],
+    )
 
 
 def test_overwrite_refuses_a_directory_that_is_not_a_run(case, capsys) -> None:
@@ -204,18 +249,32 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(case, capsys) -> None:
     cfg, out = case()
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    _expect_error(["--config", str(cfg), "run.overwrite=true"], out, capsys, str(out), "no config.yaml", before=["notes.txt"])
+    _expect_error(
+        ["--config", str(cfg), "run.overwrite=true"], out, capsys, str(out), "no config.yaml", before=["notes.txt"]
+    )
 
 
 def test_hub_model_offline(data_dir: Path, capsys, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    line = _expect_error(["--config", str(ROOT / "configs" / "sst2-hub.yaml"), f"run.output_dir={out}"], out, capsys, "sentence-transformers/all-MiniLM-L6-v2", "unreachable", "model.name_or_path")
+    line = _expect_error(
+        ["--config", str(ROOT / "configs" / "sst2-hub.yaml"), f"run.output_dir={out}"],
+        out,
+        capsys,
+        "sentence-transformers/all-MiniLM-L6-v2",
+        "unreachable",
+        "model.name_or_path",
+    )
     assert "minilm-l6" in line  # says how to point at local files
 
 
 def test_hub_dataset_offline(data_dir: Path, capsys, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    argv = ["--config", str(ROOT / "configs" / "sst2-hub.yaml"), f"run.output_dir={out}", "model.name_or_path=minilm-l6"]
+    argv = [
+        "--config",
+        str(ROOT / "configs" / "sst2-hub.yaml"),
+        f"run.output_dir={out}",
+        "model.name_or_path=minilm-l6",
+    ]
     _expect_error(argv, out, capsys, "stanfordnlp/sst2", "hub", "data.train_file")
 
 
@@ -223,7 +282,14 @@ def test_finetune_train_in_process(case, capsys) -> None:
     from finetune.cli import main as cli_main
 
     cfg, out = case()
-    _expect_error(["train", "--config", str(cfg), "data.label_column=target"], out, capsys, "'target'", "data.label_column", entry=cli_main)
+    _expect_error(
+        ["train", "--config", str(cfg), "data.label_column=target"],
+        out,
+        capsys,
+        "'target'",
+        "data.label_column",
+        entry=cli_main,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

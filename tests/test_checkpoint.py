@@ -15,6 +15,7 @@ import yaml
 from accelerate import Accelerator
 
 from finetune import checkpoint as ckpt
+from finetune import faults, runtime
 from finetune.errors import UserError
 
 
@@ -30,8 +31,8 @@ def prepared() -> tuple[Accelerator, torch.nn.Module, Any]:
 
 
 def _save(accelerator: Accelerator, run: Path, step: int, **kw: Any) -> Path:
-    progress = {"step": step, "epoch": 0, "batches_in_epoch": step}
-    return ckpt.save_checkpoint(accelerator, run, step, progress, {"config.yaml": "run: {}\n"}, **kw)
+    progress = ckpt.TrainingProgress(step=step, epoch=0, batches_in_epoch=step)
+    return ckpt.save_checkpoint(accelerator, run, progress, {"config.yaml": "run: {}\n"}, **kw)
 
 
 def test_save_writes_a_manifest_of_every_file(prepared: Any, tmp_path: Path) -> None:
@@ -41,7 +42,14 @@ def test_save_writes_a_manifest_of_every_file(prepared: Any, tmp_path: Path) -> 
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {ckpt.MANIFEST}
     assert set(manifest["files"]) == on_disk
-    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "progress.json", "config.yaml", "extra.txt"} <= on_disk
+    assert {
+        "model.safetensors",
+        "optimizer.bin",
+        "random_states_0.pkl",
+        "progress.json",
+        "config.yaml",
+        "extra.txt",
+    } <= on_disk
     assert ckpt.verify_checkpoint(path) is None
     assert not any(p.name.startswith(ckpt.TMP_PREFIX) for p in path.parent.iterdir())
 
@@ -64,8 +72,8 @@ def test_verify_detects_truncation_corruption_and_incomplete_writes(prepared: An
 def test_crash_in_save_leaves_only_a_temporary(prepared: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     accelerator, _, _ = prepared
     good = _save(accelerator, tmp_path, 2)
-    monkeypatch.setenv(ckpt.FAULT_ENV, "crash_in_save:4")
-    with pytest.raises(ckpt.InjectedCrash):
+    monkeypatch.setenv(faults.ENV, "crash_in_save:4")
+    with pytest.raises(faults.InjectedCrash):
         _save(accelerator, tmp_path, 4)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == [f"{ckpt.TMP_PREFIX}step_00000004", "step_00000002"]
@@ -75,7 +83,9 @@ def test_crash_in_save_leaves_only_a_temporary(prepared: Any, tmp_path: Path, mo
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
 
 
-def test_newest_valid_falls_back_with_a_warning(prepared: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_newest_valid_falls_back_with_a_warning(
+    prepared: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     accelerator, _, _ = prepared
     old = _save(accelerator, tmp_path, 3)
     new = _save(accelerator, tmp_path, 6)
@@ -92,9 +102,10 @@ def test_newest_valid_falls_back_with_a_warning(prepared: Any, tmp_path: Path, c
 def test_replacing_a_checkpoint_survives_a_crash_between_the_renames(prepared: Any, tmp_path: Path) -> None:
     accelerator, _, _ = prepared
     path = _save(accelerator, tmp_path, 4)
-    assert ckpt.read_progress(path)["batches_in_epoch"] == 4
-    ckpt.save_checkpoint(accelerator, tmp_path, 4, {"step": 4, "finished": True}, {})
-    assert ckpt.read_progress(path) == {"step": 4, "finished": True} and ckpt.verify_checkpoint(path) is None
+    assert ckpt.read_progress(path).batches_in_epoch == 4
+    ckpt.save_checkpoint(accelerator, tmp_path, ckpt.TrainingProgress(step=4, finished=True), {})
+    assert ckpt.read_progress(path) == ckpt.TrainingProgress(step=4, finished=True)
+    assert ckpt.verify_checkpoint(path) is None
     # a crash after `step_4 -> .trash-step_4` and before `.tmp-step_4 -> step_4`
     path.rename(path.with_name(f"{ckpt.TRASH_PREFIX}{path.name}"))
     (tmp_path / "checkpoints" / f"{ckpt.TMP_PREFIX}{path.name}").mkdir()
@@ -107,10 +118,18 @@ def _fake_checkpoint(run: Path, step: int, metric: float | None, eval_step: int 
     """A complete checkpoint directory (progress + manifest) with an evaluation of `metric`."""
     path = ckpt.checkpoint_dir(run, step)
     path.mkdir(parents=True)
-    ev = {} if metric is None else {"accuracy": metric, "loss": 1 - metric, "step": step if eval_step is None else eval_step}
+    ev = (
+        {}
+        if metric is None
+        else {"accuracy": metric, "loss": 1 - metric, "step": step if eval_step is None else eval_step}
+    )
     (path / ckpt.PROGRESS).write_text(json.dumps({"step": step, "eval": ev}))
     size = (path / ckpt.PROGRESS).stat().st_size
-    (path / ckpt.MANIFEST).write_text(json.dumps({"step": step, "files": {ckpt.PROGRESS: {"size": size, "sha256": ckpt._sha256(path / ckpt.PROGRESS)}}}))
+    (path / ckpt.MANIFEST).write_text(
+        json.dumps(
+            {"step": step, "files": {ckpt.PROGRESS: {"size": size, "sha256": ckpt._sha256(path / ckpt.PROGRESS)}}}
+        )
+    )
     return path
 
 
@@ -166,14 +185,33 @@ def _cfg(tmp_path: Path, **changes: Any) -> dict[str, Any]:
 
 def test_config_compatibility(tmp_path: Path) -> None:
     base = _cfg(tmp_path)
-    assert ckpt.config_differences(base, _cfg(tmp_path, train__eval_every_steps=5, train__log_every_steps=1, checkpoint__every_steps=9, checkpoint__keep_last=5)) == []
+    assert (
+        ckpt.config_differences(
+            base,
+            _cfg(
+                tmp_path,
+                train__eval_every_steps=5,
+                train__log_every_steps=1,
+                checkpoint__every_steps=9,
+                checkpoint__keep_last=5,
+            ),
+        )
+        == []
+    )
     assert ckpt.config_differences(base, _cfg(tmp_path, train__learning_rate=1e-3)) == ["train.learning_rate"]
-    assert ckpt.config_differences(base, _cfg(tmp_path, run__seed=2, data__max_length=64)) == ["data.max_length", "run.seed"]
+    assert ckpt.config_differences(base, _cfg(tmp_path, run__seed=2, data__max_length=64)) == [
+        "data.max_length",
+        "run.seed",
+    ]
     assert ckpt.config_differences(base, _cfg(tmp_path, precision__mode="bf16")) == ["precision.mode"]
     # with early stopping the evaluation interval decides where training ends: no longer harmless
     stopping = _cfg(tmp_path, train__early_stopping_patience=2, train__eval_every_steps=4)
-    assert ckpt.config_differences(stopping, _cfg(tmp_path, train__early_stopping_patience=2, train__eval_every_steps=8)) == ["train.eval_every_steps"]
-    assert ckpt.config_differences(base, _cfg(tmp_path, model__architecture={"model_type": "bert"}, model__tokenizer="t")) == ["model.architecture", "model.tokenizer"]
+    assert ckpt.config_differences(
+        stopping, _cfg(tmp_path, train__early_stopping_patience=2, train__eval_every_steps=8)
+    ) == ["train.eval_every_steps"]
+    assert ckpt.config_differences(
+        base, _cfg(tmp_path, model__architecture={"model_type": "bert"}, model__tokenizer="t")
+    ) == ["model.architecture", "model.tokenizer"]
     # a checkpoint whose config lacks a key added later compares with the key's default
     path = tmp_path / "ck"
     path.mkdir()
@@ -200,7 +238,7 @@ def test_find_resume_checkpoint_auto(tmp_path: Path, prepared: Any) -> None:
     with pytest.raises(UserError, match="holds no run of this config"):
         ckpt.find_resume_checkpoint("auto", run, _cfg(tmp_path, train__learning_rate=1.0))
     accelerator, _, _ = prepared
-    path = ckpt.save_checkpoint(accelerator, run, 5, {"step": 5}, {"config.yaml": yaml.safe_dump(cfg)})
+    path = ckpt.save_checkpoint(accelerator, run, ckpt.TrainingProgress(step=5), {"config.yaml": yaml.safe_dump(cfg)})
     assert ckpt.find_resume_checkpoint("auto", run, cfg) == path
     assert ckpt.find_resume_checkpoint(str(path), tmp_path / "elsewhere", cfg) == path  # into an empty dir
     foreign = tmp_path / "foreign"
@@ -222,32 +260,34 @@ def test_trim_metrics(tmp_path: Path) -> None:
 
 def test_preemption_guard_sets_a_flag_and_restores_handlers() -> None:
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    with ckpt.PreemptionGuard() as guard:
+    with runtime.PreemptionGuard() as guard:
         assert guard.signal_name is None
         os.kill(os.getpid(), signal.SIGTERM)
         assert guard.signal_name == "SIGTERM"
         os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM changes nothing
         assert guard.signal_name == "SIGTERM"
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
-    err = ckpt.Preempted("SIGINT", 3, Path("x"))
-    assert err.exit_code == 130 and ckpt.Preempted("SIGTERM", 3, Path("x")).exit_code == 143
+    err = runtime.Preempted("SIGINT", 3, Path("x"))
+    assert err.exit_code == 130 and runtime.Preempted("SIGTERM", 3, Path("x")).exit_code == 143
 
 
 def test_fault_spec_and_resume_hint(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ckpt.FAULT_ENV, "sigterm_at_step:3, crash_in_save:8")
-    assert ckpt.fault("sigterm_at_step", 3) and ckpt.fault("crash_in_save", 8)
-    assert not ckpt.fault("sigterm_at_step", 8) and not ckpt.fault("sigterm_at_batch", 3)
-    hint = ckpt.resume_hint("finetune train", "c.yaml", ["train.epochs=2", "run.overwrite=true", "checkpoint.resume=null"])
+    monkeypatch.setenv(faults.ENV, "sigterm_at_step:3, crash_in_save:8")
+    assert faults.at("sigterm_at_step", 3) and faults.at("crash_in_save", 8)
+    assert not faults.at("sigterm_at_step", 8) and not faults.at("sigterm_at_batch", 3)
+    hint = runtime.resume_hint(
+        "finetune train", "c.yaml", ["train.epochs=2", "run.overwrite=true", "checkpoint.resume=null"]
+    )
     assert hint == "finetune train --config c.yaml train.epochs=2 checkpoint.resume=auto"
 
 
 def test_configure_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = torch.are_deterministic_algorithms_enabled()
-    ckpt.configure_determinism(False)
+    runtime.configure_determinism(False)
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and torch.are_deterministic_algorithms_enabled() == before
     try:
-        ckpt.configure_determinism(True)
+        runtime.configure_determinism(True)
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         assert torch.are_deterministic_algorithms_enabled()
     finally:

@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import write_tiny_config
 
 from finetune.cli import main as cli_main
-
-from conftest import write_tiny_config
 
 TEXTS = ["a wonderful , moving film", "dull and lifeless", "it 's fine", "the worst movie of the year , really"]
 
@@ -50,7 +49,22 @@ def test_predict_csv_and_jsonl_inputs_to_csv(tiny_run: Path, tmp_path: Path) -> 
         for i, t in enumerate(TEXTS):
             w.writerow([i, t])
     out = tmp_path / "pred.csv"
-    assert cli_main(["predict", "--model", str(tiny_run / "final"), "--input", str(inp), "--output", str(out), "--text-column", "review"]) == 0
+    assert (
+        cli_main(
+            [
+                "predict",
+                "--model",
+                str(tiny_run / "final"),
+                "--input",
+                str(inp),
+                "--output",
+                str(out),
+                "--text-column",
+                "review",
+            ]
+        )
+        == 0
+    )
     with out.open(newline="") as f:
         rows = list(csv.DictReader(f))
     names = _labels(tiny_run)
@@ -62,7 +76,22 @@ def test_predict_csv_and_jsonl_inputs_to_csv(tiny_run: Path, tmp_path: Path) -> 
     inp2 = tmp_path / "in.jsonl"
     inp2.write_text("".join(json.dumps({"review": t}) + "\n" for t in TEXTS))
     out2 = tmp_path / "pred2.jsonl"
-    assert cli_main(["predict", "--model", str(tiny_run / "final"), "--input", str(inp2), "--output", str(out2), "--text-column", "review"]) == 0
+    assert (
+        cli_main(
+            [
+                "predict",
+                "--model",
+                str(tiny_run / "final"),
+                "--input",
+                str(inp2),
+                "--output",
+                str(out2),
+                "--text-column",
+                "review",
+            ]
+        )
+        == 0
+    )
     assert [json.loads(x)["label"] for x in out2.read_text().splitlines()] == [r["label"] for r in rows]
 
 
@@ -75,7 +104,9 @@ def test_predict_long_text_is_truncated_to_the_model(tiny_run: Path, tmp_path: P
     assert len(out.read_text().splitlines()) == 2
 
 
-def test_evaluate_matches_the_runs_eval_json(tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_evaluate_matches_the_runs_eval_json(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = tiny_run.parent / "tiny.yaml"  # the config the run was trained with
     capsys.readouterr()
     assert cli_main(["evaluate", "--model", str(tiny_run / "final"), "--config", str(cfg)]) == 0
@@ -103,15 +134,39 @@ def test_evaluate_with_a_test_split(tiny_run: Path, tmp_path: Path, capsys: pyte
 @pytest.mark.parametrize(
     "argv_tail,needle",
     [
-        (["predict", "--model", "{tmp}/nomodel", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.jsonl"], "not an exported model directory"),
-        (["predict", "--model", "{final}", "--input", "{tmp}/missing.txt", "--output", "{tmp}/o.jsonl"], "does not exist"),
-        (["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.parquet"], "must end in .jsonl or .csv"),
+        (
+            ["predict", "--model", "{tmp}/nomodel", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.jsonl"],
+            "not an exported model directory",
+        ),
+        (
+            ["predict", "--model", "{final}", "--input", "{tmp}/missing.txt", "--output", "{tmp}/o.jsonl"],
+            "does not exist",
+        ),
+        (
+            ["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.parquet"],
+            "must end in .jsonl or .csv",
+        ),
         (["predict", "--model", "{final}", "--input", "{tmp}/in.csv", "--output", "{tmp}/o.csv"], "no column 'text'"),
-        (["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.jsonl", "--batch-size", "0"], "--batch-size"),
+        (
+            [
+                "predict",
+                "--model",
+                "{final}",
+                "--input",
+                "{tmp}/in.txt",
+                "--output",
+                "{tmp}/o.jsonl",
+                "--batch-size",
+                "0",
+            ],
+            "--batch-size",
+        ),
         (["predict", "--model", "{final}", "--input", "{tmp}/in.json", "--output", "{tmp}/o.jsonl"], "must be a list"),
     ],
 )
-def test_cli_errors_are_one_line(tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv_tail: list[str], needle: str) -> None:
+def test_cli_errors_are_one_line(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv_tail: list[str], needle: str
+) -> None:
     (tmp_path / "in.txt").write_text("hello\n")
     (tmp_path / "in.csv").write_text("review\nhello\n")
     (tmp_path / "in.json").write_text('{"text": "hello"}')

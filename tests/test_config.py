@@ -6,18 +6,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import CONFIGS, write_tiny_config
 
 from finetune.config import Config, dump_config, load_config, parse_yaml12, validate_config
 from finetune.errors import UserError
-
-from conftest import CONFIGS, write_tiny_config
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
 
 
 def test_configs_dir_has_the_issue_configs() -> None:
     names = {p.name for p in CONFIG_FILES}
-    assert {"sst2-minilm.yaml", "agnews-minilm.yaml", "sms-spam-minilm.yaml", "trec-minilm.yaml", "tiny-debug.yaml", "sst2-hub.yaml"} <= names
+    assert {
+        "sst2-minilm.yaml",
+        "agnews-minilm.yaml",
+        "sms-spam-minilm.yaml",
+        "trec-minilm.yaml",
+        "tiny-debug.yaml",
+        "sst2-hub.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
@@ -73,7 +79,13 @@ def test_yaml12_scalars_as_overrides(tmp_path: Path) -> None:
     path = write_tiny_config(tmp_path)
     cfg = load_config(
         path,
-        ["train.learning_rate=3e-5", "run.overwrite=no", "data.text_column=no", "train.log_every_steps=010", "precision.deterministic=yes"],
+        [
+            "train.learning_rate=3e-5",
+            "run.overwrite=no",
+            "data.text_column=no",
+            "train.log_every_steps=010",
+            "precision.deterministic=yes",
+        ],
     )
     assert isinstance(cfg.train.learning_rate, float) and cfg.train.learning_rate == 3e-5
     assert cfg.run.overwrite is False
@@ -169,7 +181,9 @@ def test_env_var_expansion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_config_yaml_round_trips_tricky_strings(tmp_path: Path) -> None:
     path = write_tiny_config(tmp_path)
-    cfg = load_config(path, ['data.label_map={"0": "1e5", "1": "no", "2": "010", "3": "true"}', 'data.text_column="3e-5"'])
+    cfg = load_config(
+        path, ['data.label_map={"0": "1e5", "1": "no", "2": "010", "3": "true"}', 'data.text_column="3e-5"']
+    )
     assert cfg.data.label_map == {"0": "1e5", "1": "no", "2": "010", "3": "true"}
     assert validate_config(parse_yaml12(dump_config(cfg))) == cfg
 
@@ -196,4 +210,6 @@ def test_early_stopping_needs_periodic_evaluation() -> None:
 
     with pytest.raises(UserError, match=r"early_stopping_patience counts evaluations: set train.eval_every_steps"):
         load_config(TINY, ["train.early_stopping_patience=2", "train.eval_every_steps=null"])
-    assert load_config(TINY, ["train.early_stopping_patience=2"]).train.early_stopping_patience == 2  # tiny-debug evaluates every 4 steps
+    assert (
+        load_config(TINY, ["train.early_stopping_patience=2"]).train.early_stopping_patience == 2
+    )  # tiny-debug evaluates every 4 steps

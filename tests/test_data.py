@@ -8,11 +8,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import CONFIGS
 
 from finetune.config import Config, load_config
 from finetune.data import Collator, WindowedBatchSampler, build_data_report, load_raw_splits, tokenize_split
-
-from conftest import CONFIGS
 
 
 def _splits(name: str, overrides: list[str] | None = None):
@@ -43,7 +42,13 @@ def test_sst2_senteval_test_file_headerless(data_dir: Path) -> None:
     # the SentEval test copy has no header: read it with header=false and column names
     _, raw = _splits(
         "sst2-minilm.yaml",
-        ["data.train_file=sst2/test_senteval.tsv", "data.validation_file=null", "data.header=false", "data.column_names=[sentence, label]", "data.max_train_samples=null"],
+        [
+            "data.train_file=sst2/test_senteval.tsv",
+            "data.validation_file=null",
+            "data.header=false",
+            "data.column_names=[sentence, label]",
+            "data.max_train_samples=null",
+        ],
     )
     assert len(raw.train) == 1_821
     assert _named_counts(raw, raw.train) == {"negative": 912, "positive": 909}
@@ -92,7 +97,9 @@ def test_trec_rows_and_labels(data_dir: Path) -> None:
 def test_trec_utf8_fails_with_line_number(data_dir: Path) -> None:
     from finetune.errors import UserError
 
-    with pytest.raises(UserError, match=r"train_5500\.label line \d+: byte 0xf0 is not valid utf-8; set data\.encoding"):
+    with pytest.raises(
+        UserError, match=r"train_5500\.label line \d+: byte 0xf0 is not valid utf-8; set data\.encoding"
+    ):
         _splits("trec-minilm.yaml", ["data.encoding=utf-8"])
 
 
@@ -124,7 +131,10 @@ def test_data_report_counts(data_dir: Path) -> None:
 
     cfg, raw = _splits("trec-minilm.yaml", ["data.max_length=8", "data.max_train_samples=300"])
     tok = build_tokenizer(cfg)
-    tokenized = {n: tokenize_split(ds, tok, 8, None) for n, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test))}
+    tokenized = {
+        n: tokenize_split(ds, tok, 8, None)
+        for n, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test))
+    }
     assert max(tokenized["test"]["length"]) == 8  # truncated at data.max_length
     report = build_data_report(raw, tokenized)
     assert report["splits"]["test"]["rows"] == 500
@@ -192,7 +202,10 @@ def test_collator_pads_and_carries_window(data_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 # Local formats through the same options (no data directory needed).
 
-ROWS = [{"text": t, "label": l} for t, l in [("good", 1), ("bad", 0), ("great fun", 1), ("dull", 0), ("fine", 1), ("weak", 0)]]
+ROWS = [
+    {"text": t, "label": l}
+    for t, l in [("good", 1), ("bad", 0), ("great fun", 1), ("dull", 0), ("fine", 1), ("weak", 0)]
+]
 
 
 def _local_cfg(tmp_path: Path, train_file: str, extra: dict | None = None) -> Config:
@@ -264,14 +277,26 @@ def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> No
 
     import finetune.data as data_mod
 
-    features = datasets.Features({"idx": datasets.Value("int32"), "sentence": datasets.Value("string"), "label": datasets.ClassLabel(names=["negative", "positive"])})
+    features = datasets.Features(
+        {
+            "idx": datasets.Value("int32"),
+            "sentence": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=["negative", "positive"]),
+        }
+    )
     splits = {
-        "train": datasets.Dataset.from_dict({"idx": [0, 1, 2], "sentence": ["good", "bad", "fine"], "label": [1, 0, 1]}, features=features),
-        "validation": datasets.Dataset.from_dict({"idx": [0, 1], "sentence": ["great", "awful"], "label": [1, 0]}, features=features),
+        "train": datasets.Dataset.from_dict(
+            {"idx": [0, 1, 2], "sentence": ["good", "bad", "fine"], "label": [1, 0, 1]}, features=features
+        ),
+        "validation": datasets.Dataset.from_dict(
+            {"idx": [0, 1], "sentence": ["great", "awful"], "label": [1, 0]}, features=features
+        ),
     }
     calls = []
 
-    def fake_load_dataset(name: str, config: str | None = None, split: str | None = None, **kw: object) -> datasets.Dataset:
+    def fake_load_dataset(
+        name: str, config: str | None = None, split: str | None = None, **kw: object
+    ) -> datasets.Dataset:
         calls.append((name, split))
         return splits[split]
 
@@ -286,7 +311,11 @@ def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> No
 def test_stratified_split_keeps_rare_classes_in_training(tmp_path: Path) -> None:
     import pandas as pd
 
-    rows = [{"text": f"common {i}", "label": 0} for i in range(20)] + [{"text": "rare 0", "label": 1}, {"text": "rare 1", "label": 1}, {"text": "single", "label": 2}]
+    rows = [{"text": f"common {i}", "label": 0} for i in range(20)] + [
+        {"text": "rare 0", "label": 1},
+        {"text": "rare 1", "label": 1},
+        {"text": "single", "label": 2},
+    ]
     pd.DataFrame(rows).to_csv(tmp_path / "r.csv", index=False)
     cfg = _local_cfg(tmp_path, "r.csv", {"data.label_map": None, "data.validation_split": 0.1})
     raw = load_raw_splits(cfg)

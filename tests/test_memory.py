@@ -17,7 +17,6 @@ from finetune import memory as mem
 from finetune.cli import main as cli_main
 from finetune.train import main as train_main
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
@@ -84,8 +83,19 @@ def test_report_without_a_sample_says_so() -> None:
     assert "| parameters |" in mem.format_markdown(rep)
 
 
-def test_every_checkpoint_has_a_memory_report(tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = write_tiny_config(tmp_path, {"data.max_train_samples": 96, "data.max_eval_samples": 32, "train.log_every_steps": 1, "checkpoint.every_steps": 1, "checkpoint.keep_last": 5})
+def test_every_checkpoint_has_a_memory_report(
+    tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = write_tiny_config(
+        tmp_path,
+        {
+            "data.max_train_samples": 96,
+            "data.max_eval_samples": 32,
+            "train.log_every_steps": 1,
+            "checkpoint.every_steps": 1,
+            "checkpoint.keep_last": 5,
+        },
+    )
     assert train_main(["--config", str(cfg)]) == 0
     run = tmp_path / "run"
     checkpoints = ckpt.list_checkpoints(run)
@@ -101,7 +111,9 @@ def test_every_checkpoint_has_a_memory_report(tmp_path: Path, data_dir: Path, ca
         assert rep["parameters_bytes"] == _nbytes(weights.values())
         assert rep["gradients_bytes"] == _nbytes(weights.values())  # everything trainable, fp32 grads
         optim = torch.load(path / "optimizer.bin", weights_only=True)
-        assert rep["optimizer_state_bytes"] == _nbytes(v for s in optim["state"].values() for v in s.values() if isinstance(v, torch.Tensor))
+        assert rep["optimizer_state_bytes"] == _nbytes(
+            v for s in optim["state"].values() for v in s.values() if isinstance(v, torch.Tensor)
+        )
     # step 1 is before the sampled step; the sample (step 2) is then in every later report
     assert json.loads((checkpoints[0] / "memory.json").read_text())["peak_bytes"] is None
     last = json.loads((checkpoints[-1] / "memory.json").read_text())
@@ -162,7 +174,9 @@ def test_cuda_report_from_the_allocator_counters(monkeypatch: pytest.MonkeyPatch
     assert "summary text" in mem.format_markdown(rep)
 
 
-def test_no_memtracker_around_the_final_evaluation(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_memtracker_around_the_final_evaluation(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # one optimizer step: the sample must not start after it and wrap the final evaluation and export
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 

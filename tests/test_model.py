@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from conftest import TINY
 
 from finetune.config import load_config
 from finetune.errors import UserError
 from finetune.model import build_model, build_tokenizer, exportable
-
-from conftest import TINY
 
 NAMES = ["negative", "positive"]
 
@@ -87,7 +87,7 @@ def test_lora_bad_target_module_is_a_user_error() -> None:
 def test_optimizer_choices() -> None:
     from transformers.optimization import Adafactor
 
-    from finetune.train import build_optimizer
+    from finetune.optim import build_optimizer
 
     model, tok = _model()
     assert isinstance(build_optimizer(load_config(TINY, ["train.optimizer=adafactor"]), model), Adafactor)
@@ -107,7 +107,14 @@ def test_lora_run_end_to_end_loads_in_a_pipeline(tiny_config: Callable[..., Path
 
     from finetune.train import main
 
-    cfg = tiny_config({"model.lora": {"r": 4}, "model.gradient_checkpointing": True, "data.max_train_samples": 64, "data.max_eval_samples": 16})
+    cfg = tiny_config(
+        {
+            "model.lora": {"r": 4},
+            "model.gradient_checkpointing": True,
+            "data.max_train_samples": 64,
+            "data.max_eval_samples": 16,
+        }
+    )
     assert main(["--config", str(cfg)]) == 0
     final = tmp_path / "run" / "final"
     import safetensors.torch as st

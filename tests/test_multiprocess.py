@@ -23,7 +23,9 @@ from finetune.data import WindowedBatchSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
-needs_data = pytest.mark.skipif(not (DATA_DIR / "sst2" / "train.tsv").is_file(), reason=f"SST-2 not found under {DATA_DIR}")
+needs_data = pytest.mark.skipif(
+    not (DATA_DIR / "sst2" / "train.tsv").is_file(), reason=f"SST-2 not found under {DATA_DIR}"
+)
 
 # 90 rows in global batches of 8: 12 batches, the last with 2 rows; accumulation 5 makes the
 # windows 5, 5, 2 batches (40, 40, 10 samples). 100 eval rows in global batches of 16 leave a
@@ -56,7 +58,9 @@ def test_sampler_under_accelerate_shards_covers_each_sample_once() -> None:
     counted = [i for shard in shards for b in shard for (i, _, w) in b if w == 1.0]
     assert sorted(counted) == list(range(90))
     # every item of a window carries that window's real sample count (summed over ranks)
-    windows = [sum(1 for r in range(P) for b in shards[r][w : w + G] for it in b if it[2] == 1.0) for w in range(0, 12, G)]
+    windows = [
+        sum(1 for r in range(P) for b in shards[r][w : w + G] for it in b if it[2] == 1.0) for w in range(0, 12, G)
+    ]
     assert windows == [40, 40, 10]
     for r in range(P):
         for w in range(0, 12, G):
@@ -75,7 +79,13 @@ def _eval_rows(run: Path) -> list[dict]:
 
 @needs_data
 def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path) -> None:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "FINETUNE_DATA_DIR": str(DATA_DIR)}
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "FINETUNE_DATA_DIR": str(DATA_DIR),
+    }
     two = tmp_path / "two"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -91,7 +101,18 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
     from finetune.train import main
 
     one = tmp_path / "one"
-    assert main(["--config", str(ROOT / "configs" / "tiny-debug.yaml"), f"run.output_dir={one}", "train.micro_batch_size=8", *COMMON]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(ROOT / "configs" / "tiny-debug.yaml"),
+                f"run.output_dir={one}",
+                "train.micro_batch_size=8",
+                *COMMON,
+            ]
+        )
+        == 0
+    )
 
     # same weights
     w1 = load_file(one / "final" / "model.safetensors")
@@ -129,16 +150,27 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
     assert not [p for p in two.rglob("*") if p.name.startswith(".tmp")]
 
     # only the main process wrote logs: one row per step, not one per rank
-    assert len((two / "metrics.jsonl").read_text().splitlines()) == len((one / "metrics.jsonl").read_text().splitlines())
+    assert len((two / "metrics.jsonl").read_text().splitlines()) == len(
+        (one / "metrics.jsonl").read_text().splitlines()
+    )
 
 
 @needs_data
-def test_launch_config_accumulation_must_match_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_launch_config_accumulation_must_match_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`accelerate launch` with a DeepSpeed config exports its accumulation count; a mismatch is refused."""
     from finetune.train import main
 
     monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "3")
-    rc = main(["--config", str(ROOT / "configs" / "tiny-debug.yaml"), f"run.output_dir={tmp_path / 'r'}", "train.gradient_accumulation_steps=2"])
+    rc = main(
+        [
+            "--config",
+            str(ROOT / "configs" / "tiny-debug.yaml"),
+            f"run.output_dir={tmp_path / 'r'}",
+            "train.gradient_accumulation_steps=2",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "gradient accumulation to 3" in err and "train.gradient_accumulation_steps is 2" in err

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
+from conftest import TINY
 from safetensors.torch import load_file
 
 from finetune.config import load_config
 from finetune.data import Collator, PackingCollator, pack_rows
 from finetune.model import attention_cost, build_model, build_tokenizer, packed_logits
-
-from conftest import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -63,7 +63,13 @@ def test_packed_logits_equal_unpacked(model_type: str, attn: str) -> None:
     torch.manual_seed(0)
     model = build_model(cfg, ["negative", "positive"], tokenizer).eval()
     model.set_attn_implementation(attn)
-    texts = ["a good movie", "terrible , just terrible and long and boring beyond words", "ok", "the best film of the year by far", "meh ."] * 3
+    texts = [
+        "a good movie",
+        "terrible , just terrible and long and boring beyond words",
+        "ok",
+        "the best film of the year by far",
+        "meh .",
+    ] * 3
     features = [dict(tokenizer(t)) | {"labels": i % 2} for i, t in enumerate(texts)]
     packed = PackingCollator(tokenizer, 64, attention_cost(model))(features)
     assert packed["input_ids"].shape[0] < len(texts)  # some rows hold several sequences
@@ -73,7 +79,9 @@ def test_packed_logits_equal_unpacked(model_type: str, attn: str) -> None:
         reference = model(**plain).logits
         got = packed_logits(model, packed)
         # the comparison can fail: restarting no positions changes the logits far beyond the tolerance
-        wrong = packed_logits(model, {**packed, "position_ids": torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"])})
+        wrong = packed_logits(
+            model, {**packed, "position_ids": torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"])}
+        )
     assert got.shape == reference.shape
     assert (got - reference).abs().max().item() <= 1e-6
     assert (wrong - reference).abs().max().item() > 1e-5
@@ -87,11 +95,20 @@ def test_packed_run_ends_with_the_unpacked_weights(tmp_path: Path, tiny_config: 
     """tiny-debug has dropout 0, so packing changes only the layout: same gradients, same weights."""
     from finetune.train import main
 
-    common: dict[str, Any] = {"data.max_train_samples": 96, "data.max_eval_samples": 32, "data.group_by_length": False, "train.log_every_steps": 1,
-                              "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 2}
+    common: dict[str, Any] = {
+        "data.max_train_samples": 96,
+        "data.max_eval_samples": 32,
+        "data.group_by_length": False,
+        "train.log_every_steps": 1,
+        "train.micro_batch_size": 8,
+        "train.gradient_accumulation_steps": 2,
+    }
     runs = {}
     for packing in (False, True):
-        cfg = tiny_config({**common, "data.packing": packing, "run.output_dir": str(tmp_path / f"packing-{packing}")}, name=f"p{packing}.yaml")
+        cfg = tiny_config(
+            {**common, "data.packing": packing, "run.output_dir": str(tmp_path / f"packing-{packing}")},
+            name=f"p{packing}.yaml",
+        )
         assert main(["--config", str(cfg)]) == 0
         runs[packing] = tmp_path / f"packing-{packing}"
     w0, w1 = _final_weights(runs[False]), _final_weights(runs[True])
@@ -110,13 +127,23 @@ def test_packed_run_ends_with_the_unpacked_weights(tmp_path: Path, tiny_config: 
     assert pad1 < pad0 / 2, (pad0, pad1)
 
 
-def test_packing_refuses_what_it_does_not_cover(tiny_config: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_packing_refuses_what_it_does_not_cover(
+    tiny_config: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     from finetune.train import main
 
     assert main(["--config", str(tiny_config({"data.packing": True, "model.compile": True}))]) == 2
     assert "data.packing and model.compile" in capsys.readouterr().err
-    cfg = tiny_config({"data.packing": True, "model.architecture.model_type": "distilbert", "model.architecture.dim": 32,
-                       "model.architecture.n_layers": 1, "model.architecture.n_heads": 2, "model.architecture.hidden_dim": 64})
+    cfg = tiny_config(
+        {
+            "data.packing": True,
+            "model.architecture.model_type": "distilbert",
+            "model.architecture.dim": 32,
+            "model.architecture.n_layers": 1,
+            "model.architecture.n_heads": 2,
+            "model.architecture.hidden_dim": 64,
+        }
+    )
     assert main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "data.packing supports model types" in err and "distilbert" in err
@@ -131,18 +158,45 @@ def test_two_processes_packed_equal_one_process_packed(tmp_path: Path, data_dir:
     import subprocess
     import sys
 
-    from finetune.train import main
     from conftest import ROOT
+
+    from finetune.train import main
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = ["run.overwrite=true", "data.packing=true", "data.group_by_length=false", "data.max_train_samples=90",
-              "data.max_eval_samples=32", "train.gradient_accumulation_steps=1", "train.eval_every_steps=null"]
+    common = [
+        "run.overwrite=true",
+        "data.packing=true",
+        "data.group_by_length=false",
+        "data.max_train_samples=90",
+        "data.max_eval_samples=32",
+        "train.gradient_accumulation_steps=1",
+        "train.eval_every_steps=null",
+    ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
-           str(ROOT / "finetune" / "train.py"), "--config", str(TINY), f"run.output_dir={tmp_path / 'two'}", "train.micro_batch_size=4", *common]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(port),
+        str(ROOT / "finetune" / "train.py"),
+        "--config",
+        str(TINY),
+        f"run.output_dir={tmp_path / 'two'}",
+        "train.micro_batch_size=4",
+        *common,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert main(["--config", str(TINY), f"run.output_dir={tmp_path / 'one'}", "train.micro_batch_size=8", *common]) == 0

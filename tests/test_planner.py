@@ -5,29 +5,28 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import safetensors.torch as st
 import torch
+from conftest import TINY
 
 from finetune.config import load_config
+from finetune import faults
 from finetune.errors import UserError
+from finetune.optim import micro_batch_ladder, resolve_batch, smaller_micro_batch
 from finetune.planner import (
+    CATEGORIES,
     CUDA_ALLOCATOR_FRACTION,
     CUDA_CONTEXT_BYTES,
-    CATEGORIES,
-    OutOfMemoryGuard,
     measure_real,
-    micro_batch_ladder,
     plan,
     predict_peak,
-    resolve_batch,
-    smaller_micro_batch,
 )
-
-from conftest import TINY
+from finetune.runtime import OutOfMemoryGuard
 
 
 def _real_rows(cfg: Any, n: int) -> tuple[list[str], list[int], list[str]]:
@@ -43,10 +42,16 @@ def _real_rows(cfg: Any, n: int) -> tuple[list[str], list[int], list[str]]:
     "overrides,micro,accumulation",
     [
         ([], 64, 1),  # fp32, no checkpointing, one micro-batch per window
-        (["precision.mode=bf16", "model.gradient_checkpointing=true"], 32, 2),  # bf16 autocast + checkpointing, accumulation
+        (
+            ["precision.mode=bf16", "model.gradient_checkpointing=true"],
+            32,
+            2,
+        ),  # bf16 autocast + checkpointing, accumulation
     ],
 )
-def test_prediction_within_5_percent_of_a_real_step(data_dir: Path, overrides: list[str], micro: int, accumulation: int) -> None:
+def test_prediction_within_5_percent_of_a_real_step(
+    data_dir: Path, overrides: list[str], micro: int, accumulation: int
+) -> None:
     from finetune.model import build_tokenizer
 
     cfg = load_config(TINY, ["data.max_length=128", *overrides])
@@ -69,7 +74,13 @@ def test_frozen_parameters_and_lora_are_planned(data_dir: Path) -> None:
     tok = build_tokenizer(base)
     texts, labels, names = _real_rows(base, 32)
     full = predict_peak(base, 32, 1, tok, names)
-    frozen = predict_peak(load_config(TINY, ["data.max_length=128", "model.freeze_embeddings=true", "model.gradient_checkpointing=true"]), 32, 1, tok, names)
+    frozen = predict_peak(
+        load_config(TINY, ["data.max_length=128", "model.freeze_embeddings=true", "model.gradient_checkpointing=true"]),
+        32,
+        1,
+        tok,
+        names,
+    )
     lora_cfg = load_config(TINY, ["data.max_length=128", "model.lora={r: 4}", "model.gradient_checkpointing=true"])
     lora = predict_peak(lora_cfg, 32, 2, tok, names)
     lora_real = measure_real(lora_cfg, 32, 2, tok, names, texts, labels)
@@ -92,20 +103,43 @@ def test_optimizers_change_the_state_category(data_dir: Path) -> None:
     adamw_m = predict_peak(cfg, 64, 1, tok, names)
     assert adamw_m.categories["activations"] > adamw_m.categories["optimizer_state"]
     adamw = adamw_m.categories["optimizer_state"]
-    adafactor = predict_peak(load_config(TINY, [*over, "train.optimizer=adafactor"]), 64, 1, tok, names).categories["optimizer_state"]
-    sgd = predict_peak(load_config(TINY, [*over, "train.optimizer=sgd"]), 64, 1, tok, names).categories["optimizer_state"]
+    adafactor = predict_peak(load_config(TINY, [*over, "train.optimizer=adafactor"]), 64, 1, tok, names).categories[
+        "optimizer_state"
+    ]
+    sgd = predict_peak(load_config(TINY, [*over, "train.optimizer=sgd"]), 64, 1, tok, names).categories[
+        "optimizer_state"
+    ]
     assert adafactor < 0.1 * adamw  # factored second moment, no first moment
     assert sgd == 0  # momentum 0: no state
     with pytest.raises(UserError, match="adamw8bit.*CUDA"):
-        plan(load_config(TINY, ["train.optimizer=adamw8bit"]), device="cpu", micro_sizes=[4], tokenizer=tok, label_names=names)
-    eight = plan(load_config(TINY, [*over, "train.optimizer=adamw8bit"]), device="cuda", micro_sizes=[64], tokenizer=tok, label_names=names)
-    assert 0.2 * adamw < eight.rows[0].categories["optimizer_state"] < 0.3 * adamw  # 2 bytes (+ absmax) per parameter instead of 8
+        plan(
+            load_config(TINY, ["train.optimizer=adamw8bit"]),
+            device="cpu",
+            micro_sizes=[4],
+            tokenizer=tok,
+            label_names=names,
+        )
+    eight = plan(
+        load_config(TINY, [*over, "train.optimizer=adamw8bit"]),
+        device="cuda",
+        micro_sizes=[64],
+        tokenizer=tok,
+        label_names=names,
+    )
+    assert (
+        0.2 * adamw < eight.rows[0].categories["optimizer_state"] < 0.3 * adamw
+    )  # 2 bytes (+ absmax) per parameter instead of 8
 
 
 def test_plan_cli_json_and_cuda_margin(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from finetune.cli import main
 
-    assert main(["plan", "--config", str(TINY), "data.max_length=128", "--budget-gb", "0.025", "--device", "cpu", "--json"]) == 0
+    assert (
+        main(
+            ["plan", "--config", str(TINY), "data.max_length=128", "--budget-gb", "0.025", "--device", "cpu", "--json"]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert [r["micro_batch_size"] for r in rows] == [1, 2, 4, 8, 16, 32]  # effective batch 16 x 2
     assert all(r["micro_batch_size"] * r["gradient_accumulation_steps"] == 32 for r in rows)
@@ -116,9 +150,13 @@ def test_plan_cli_json_and_cuda_margin(data_dir: Path, capsys: pytest.CaptureFix
     peaks = [r["peak_bytes"] for r in rows]
     assert peaks == sorted(peaks) and peaks[-1] > peaks[0]
     assert any(r["fits"] for r in rows) and not all(r["fits"] for r in rows)  # the budget splits the ladder
-    assert main(["plan", "--config", str(TINY), "data.max_length=64", "--device", "cuda", "--micro", "8", "--json"]) == 0
+    assert (
+        main(["plan", "--config", str(TINY), "data.max_length=64", "--device", "cuda", "--micro", "8", "--json"]) == 0
+    )
     (row,) = json.loads(capsys.readouterr().out)
-    assert row["peak_bytes_with_margin"] == row["peak_bytes"] + CUDA_CONTEXT_BYTES + int(CUDA_ALLOCATOR_FRACTION * row["peak_bytes"])
+    assert row["peak_bytes_with_margin"] == row["peak_bytes"] + CUDA_CONTEXT_BYTES + int(
+        CUDA_ALLOCATOR_FRACTION * row["peak_bytes"]
+    )
     assert row["fits"] is None  # no budget given
     assert main(["plan", "--config", str(TINY), "--micro", "5"]) == 2  # does not divide the effective batch
     assert "micro" in capsys.readouterr().err
@@ -136,13 +174,17 @@ def test_batch_size_resolution_and_errors(tmp_path: Path) -> None:
     assert resolve_batch(load_config(bare, ["train.batch_size=64"]), 1) == (64, 1, 64)
     assert resolve_batch(load_config(bare, ["train.batch_size=64"]), 2) == (32, 1, 64)
     assert resolve_batch(load_config(bare, ["train.batch_size=64", "train.micro_batch_size=16"]), 1) == (16, 4, 64)
-    assert resolve_batch(load_config(bare, ["train.batch_size=64", "train.micro_batch_size=auto", "memory.budget_gb=1"]), 1) == (None, None, 64)
+    assert resolve_batch(
+        load_config(bare, ["train.batch_size=64", "train.micro_batch_size=auto", "memory.budget_gb=1"]), 1
+    ) == (None, None, 64)
     assert resolve_batch(cfg("train.batch_size=32"), 1) == (16, 2, 32)  # all three agree
     for overrides, P in ((["train.batch_size=64"], 1), (["train.batch_size=32"], 2), (["train.batch_size=48"], 1)):
         with pytest.raises(UserError) as err:
             resolve_batch(cfg(*overrides), P)
         msg = str(err.value)
-        assert "train.batch_size" in msg and "train.micro_batch_size" in msg and "train.gradient_accumulation_steps" in msg
+        assert (
+            "train.batch_size" in msg and "train.micro_batch_size" in msg and "train.gradient_accumulation_steps" in msg
+        )
     with pytest.raises(UserError, match="train.batch_size.*train.micro_batch_size.*train.gradient_accumulation_steps"):
         cfg("train.batch_size=40")  # not a multiple of 16 x 2: refused when the config is read
     with pytest.raises(UserError, match="memory.budget_gb"):
@@ -175,36 +217,61 @@ def test_auto_micro_batch_picks_a_fitting_setting(tiny_config: Callable[..., Pat
     from finetune.train import main
 
     budget_gb = 0.025
-    path = tiny_config({"train.micro_batch_size": "auto", "train.gradient_accumulation_steps": ..., "train.batch_size": 32,
-                        "memory.budget_gb": budget_gb, "data.max_length": 128, "data.max_train_samples": 64, "data.max_eval_samples": 16})
+    path = tiny_config(
+        {
+            "train.micro_batch_size": "auto",
+            "train.gradient_accumulation_steps": ...,
+            "train.batch_size": 32,
+            "memory.budget_gb": budget_gb,
+            "data.max_length": 128,
+            "data.max_train_samples": 64,
+            "data.max_eval_samples": 16,
+        }
+    )
     cfg = load_config(path)
     p = plan(cfg, device="cpu", tokenizer=build_tokenizer(cfg), label_names=["negative", "positive"])
     best = p.best()
     assert best is not None and best.fits and best.micro_batch_size < 32  # the budget rules out the biggest
     assert main(["--config", str(path)]) == 0
     log = (tmp_path / "run" / "train.log").read_text()
-    assert f"micro-batch {best.micro_batch_size} x accumulation {best.gradient_accumulation_steps} = effective batch 32" in log
+    assert (
+        f"micro-batch {best.micro_batch_size} x accumulation {best.gradient_accumulation_steps} = effective batch 32"
+        in log
+    )
 
 
-def test_injected_oom_redoes_the_window_at_half_the_micro_batch(tiny_config: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_injected_oom_redoes_the_window_at_half_the_micro_batch(
+    tiny_config: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """OOM in step 3's window at micro 16 x 2 (then a preemption and a resume): the same final weights
     as a run at micro 8 x 4 from the start; the checkpoint keeps the smaller micro-batch."""
     from finetune.train import main
 
     base = {"data.max_train_samples": 200, "data.max_eval_samples": 16, "checkpoint.every_steps": 2}
     a = tiny_config(base, name="a.yaml")
-    monkeypatch.setenv("FINETUNE_FAULT", "oom_at_step:3,sigterm_at_step:5")
+    monkeypatch.setenv(faults.ENV, "oom_at_step:3,sigterm_at_step:5")
     assert main(["--config", str(a)]) == 143  # preempted after step 5, checkpoint written
     progress = json.loads(sorted((tmp_path / "run" / "checkpoints").glob("step_*/progress.json"))[-1].read_text())
     assert (progress["step"], progress["micro_batch_size"], progress["gradient_accumulation_steps"]) == (5, 8, 4)
     report = json.loads(sorted((tmp_path / "run" / "checkpoints").glob("step_*/memory.json"))[-1].read_text())
     assert (report["config"]["micro_batch_size"], report["config"]["gradient_accumulation_steps"]) == (8, 4)
-    monkeypatch.delenv("FINETUNE_FAULT")
+    monkeypatch.delenv(faults.ENV)
     assert main(["--config", str(a), "checkpoint.resume=auto"]) == 0
     log = (tmp_path / "run" / "train.log").read_text()
-    assert "out of memory at micro-batch 16 x accumulation 2" in log and "resuming with micro-batch 8 x accumulation 4" in log
+    assert (
+        "out of memory at micro-batch 16 x accumulation 2" in log
+        and "resuming with micro-batch 8 x accumulation 4" in log
+    )
     got = _final_weights(tmp_path / "run")
-    b = tiny_config({**base, "run.output_dir": str(tmp_path / "b"), "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 4}, name="b.yaml")
+    b = tiny_config(
+        {
+            **base,
+            "run.output_dir": str(tmp_path / "b"),
+            "train.micro_batch_size": 8,
+            "train.gradient_accumulation_steps": 4,
+        },
+        name="b.yaml",
+    )
     assert main(["--config", str(b)]) == 0
     want = _final_weights(tmp_path / "b")
     assert got.keys() == want.keys()
@@ -234,6 +301,8 @@ def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:
     from finetune.planner import cublas_workspace_bytes
 
     # two workspaces: 2 x 32 MiB (Hopper, or a CPU planning for CUDA) unless CUBLAS_WORKSPACE_CONFIG says otherwise
-    assert cuda.categories["cublas_workspace"] == cublas_workspace_bytes() > 0 and cpu.categories["cublas_workspace"] == 0
+    assert (
+        cuda.categories["cublas_workspace"] == cublas_workspace_bytes() > 0 and cpu.categories["cublas_workspace"] == 0
+    )
     if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.cuda.is_available():
         assert cublas_workspace_bytes() == 64 * MiB

@@ -6,18 +6,19 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
+from finetune import faults
 from finetune.errors import UserError
 from finetune.precision import (
-    FAULT_ENV,
     Bf16AdamW,
     PrecisionMonitor,
     apply_precision_policy,
@@ -28,8 +29,8 @@ from finetune.precision import (
     dtype_audit,
     effective_weight,
     find_norm_modules,
-    fp32_cross_entropy,
     format_audit,
+    fp32_cross_entropy,
     recompile_limit_hits,
     release_cached_memory,
     stochastic_round_,
@@ -39,14 +40,26 @@ from finetune.train import main
 
 def tiny_bert(seed: int = 0) -> BertForSequenceClassification:
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                     max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForSequenceClassification(cfg)
 
 
 def batch(seed: int = 0, n: int = 4, length: int = 12) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(1, 100, (n, length), generator=g), "attention_mask": torch.ones(n, length, dtype=torch.long)}
+    return {
+        "input_ids": torch.randint(1, 100, (n, length), generator=g),
+        "attention_mask": torch.ones(n, length, dtype=torch.long),
+    }
 
 
 def assert_bf16_true_dtypes(model: nn.Module, extra_norms: tuple[str, ...] = ()) -> None:
@@ -219,7 +232,9 @@ def test_audit_flags_planted_wrong_dtype_tensors() -> None:
     check_audit(clean, allow_mismatch=False)
     # plant: an fp32 weight that should be bf16, a norm left in bf16, a buffer cast by accident
     model.classifier.weight.data = model.classifier.weight.data.float()
-    model.bert.encoder.layer[1].output.LayerNorm.bias.data = model.bert.encoder.layer[1].output.LayerNorm.bias.data.bfloat16()
+    model.bert.encoder.layer[1].output.LayerNorm.bias.data = model.bert.encoder.layer[
+        1
+    ].output.LayerNorm.bias.data.bfloat16()
     model.bert.embeddings.register_buffer("scale", torch.ones(3, dtype=torch.float64))
     audit = dtype_audit(model, "bf16-true", None)
     got = {(r["name"], r["kind"], r["dtype"], r["expected"]) for r in audit["contradictions"]}
@@ -372,7 +387,7 @@ def test_fp16_scaler_skips_inf_gradient_step_and_counts_it() -> None:
 
 def test_monitor_stops_or_skips_on_nonfinite(tmp_path: Path) -> None:
     finite, inf = torch.tensor(1.0), torch.tensor(float("inf"))
-    stop = PrecisionMonitor("bf16-true", "stop", run_dir=tmp_path)
+    stop = PrecisionMonitor("bf16-true", "stop", last_checkpoint=lambda: None)
     assert stop.step_ok(torch.tensor(2.0), finite, 1)
     with pytest.raises(UserError, match="non-finite values at optimizer step 3.*no checkpoint was written yet"):
         stop.step_ok(torch.tensor(float("nan")), finite, 3)
@@ -470,8 +485,15 @@ def _rows(run: Path) -> list[dict[str, Any]]:
 
 
 def test_train_bf16_true_audit_files_and_checkpoint_dtypes(tiny_config: Callable[..., Path]) -> None:
-    cfg = tiny_config({"precision.mode": "bf16-true", "data.max_train_samples": 96, "train.max_steps": 2,
-                       "checkpoint.every_steps": 2, "data.max_eval_samples": 16})
+    cfg = tiny_config(
+        {
+            "precision.mode": "bf16-true",
+            "data.max_train_samples": 96,
+            "train.max_steps": 2,
+            "checkpoint.every_steps": 2,
+            "data.max_eval_samples": 16,
+        }
+    )
     assert main(["--config", str(cfg)]) == 0
     run = cfg.parent / "run"
     audit = json.loads((run / "dtype_audit.json").read_text())
@@ -494,9 +516,17 @@ def test_train_bf16_true_audit_files_and_checkpoint_dtypes(tiny_config: Callable
 def test_planted_inf_loss_stops_or_skips_and_keeps_checkpoint(
     policy: str, tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = tiny_config({"train.nonfinite": policy, "data.max_train_samples": 96, "train.max_steps": 3,
-                       "checkpoint.every_steps": 2, "train.log_every_steps": 1, "data.max_eval_samples": 16})
-    monkeypatch.setenv(FAULT_ENV, "3")
+    cfg = tiny_config(
+        {
+            "train.nonfinite": policy,
+            "data.max_train_samples": 96,
+            "train.max_steps": 3,
+            "checkpoint.every_steps": 2,
+            "train.log_every_steps": 1,
+            "data.max_eval_samples": 16,
+        }
+    )
+    monkeypatch.setenv(faults.ENV, "nonfinite_at_step:3")
     run = cfg.parent / "run"
     code = main(["--config", str(cfg)])
     step2 = run / "checkpoints" / "step_00000002"
@@ -505,10 +535,13 @@ def test_planted_inf_loss_stops_or_skips_and_keeps_checkpoint(
     if policy == "stop":
         assert code == 2
         # the progress bar shares stderr (no newline before the message)
-        errors = [line[line.index("error:"):] for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        errors = [line[line.index("error:") :] for line in capsys.readouterr().err.splitlines() if "error:" in line]
         assert len(errors) == 1
         err = errors[0]
-        assert err.startswith("error: training stopped: non-finite values at optimizer step 3") and "step_00000002 is intact" in err
+        assert (
+            err.startswith("error: training stopped: non-finite values at optimizer step 3")
+            and "step_00000002 is intact" in err
+        )
         assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_00000002"]
         model = tiny_bert()  # loadable: the keys and shapes of the run's model (vocab from the tokenizer)
         assert saved["classifier.weight"].shape == model.classifier.weight.shape
@@ -526,9 +559,18 @@ def test_planted_inf_loss_stops_or_skips_and_keeps_checkpoint(
 
 def test_compiled_run_records_graphs_and_writes_clean_keys(tiny_config: Callable[..., Path]) -> None:
     """An epoch of real SST-2 lengths (max_length 128, length-grouped) stays a few graphs."""
-    cfg = tiny_config({"model.compile": True, "model.compile_backend": "aot_eager", "data.max_length": 128,
-                       "data.max_train_samples": 160, "checkpoint.every_steps": 2, "train.log_every_steps": 1,
-                       "train.eval_every_steps": 2, "data.max_eval_samples": 32})
+    cfg = tiny_config(
+        {
+            "model.compile": True,
+            "model.compile_backend": "aot_eager",
+            "data.max_length": 128,
+            "data.max_train_samples": 160,
+            "checkpoint.every_steps": 2,
+            "train.log_every_steps": 1,
+            "train.eval_every_steps": 2,
+            "data.max_eval_samples": 32,
+        }
+    )
     assert main(["--config", str(cfg)]) == 0
     run = cfg.parent / "run"
     rows = _rows(run)

@@ -20,6 +20,7 @@ from conftest import ROOT, write_tiny_config
 from safetensors.torch import load_file
 
 from finetune import checkpoint as ckpt
+from finetune import faults, runtime
 from finetune.train import main
 
 # 128 rows, global micro-batch 16, accumulation 2: 8 micro-batches = 4 optimizer steps per epoch,
@@ -84,22 +85,27 @@ def _assert_same_as_reference(run: Path, reference: Path, after_step: int) -> No
     ],
 )
 def test_sigterm_then_resume_is_exact(
-    fault: str, stopped_at: int, reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    fault: str,
+    stopped_at: int,
+    reference: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
     cfg = _config(tmp_path)
     run = tmp_path / "run"
-    monkeypatch.setenv(ckpt.FAULT_ENV, fault)
-    assert main(["--config", str(cfg)]) == ckpt.EXIT_CODES["SIGTERM"]
+    monkeypatch.setenv(faults.ENV, fault)
+    assert main(["--config", str(cfg)]) == runtime.EXIT_CODES["SIGTERM"]
     err = capfd.readouterr().err
     assert f"SIGTERM: stopped at step {stopped_at}" in err and "checkpoint.resume=auto" in err
     # the preemption checkpoint is the step where the signal was handled, not the last periodic one
     newest = ckpt.newest_valid_checkpoint(run)
     assert newest == ckpt.checkpoint_dir(run, stopped_at)
     progress = ckpt.read_progress(newest)
-    assert progress["step"] == stopped_at
-    assert (progress["epoch"], progress["batches_in_epoch"]) == divmod(2 * stopped_at, 8)
+    assert progress.step == stopped_at
+    assert (progress.epoch, progress.batches_in_epoch) == divmod(2 * stopped_at, 8)
 
-    monkeypatch.delenv(ckpt.FAULT_ENV)
+    monkeypatch.delenv(faults.ENV)
     if stopped_at == 2:
         # a change that changes the result is refused, naming the key
         assert main(["--config", str(cfg), "checkpoint.resume=auto", "train.learning_rate=0.002"]) == 2
@@ -116,10 +122,12 @@ def test_sigterm_then_resume_is_exact(
     _assert_same_as_reference(run, reference, stopped_at)
 
 
-def test_sigint_checkpoints_and_exits_130(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+def test_sigint_checkpoints_and_exits_130(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     cfg = _config(tmp_path, {"checkpoint.every_steps": None})  # a preemption checkpoint needs no interval
-    monkeypatch.setenv(ckpt.FAULT_ENV, "sigint_at_batch:3")  # inside the window of step 2
-    assert main(["--config", str(cfg)]) == ckpt.EXIT_CODES["SIGINT"] == 130
+    monkeypatch.setenv(faults.ENV, "sigint_at_batch:3")  # inside the window of step 2
+    assert main(["--config", str(cfg)]) == runtime.EXIT_CODES["SIGINT"] == 130
     assert "SIGINT: stopped at step 2" in capfd.readouterr().err
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_00000002"]
 
@@ -129,14 +137,14 @@ def test_crash_inside_a_checkpoint_write_resumes_from_the_previous_one(
 ) -> None:
     cfg = _config(tmp_path)
     run = tmp_path / "run"
-    monkeypatch.setenv(ckpt.FAULT_ENV, "crash_in_save:6")
-    with pytest.raises(ckpt.InjectedCrash):
+    monkeypatch.setenv(faults.ENV, "crash_in_save:6")
+    with pytest.raises(faults.InjectedCrash):
         main(["--config", str(cfg)])
     root = run / "checkpoints"
     # the state files of step 6 were written, but only into the temporary directory
     assert (root / f"{ckpt.TMP_PREFIX}step_00000006" / "model.safetensors").is_file()
     assert not ckpt.checkpoint_dir(run, 6).exists()
-    monkeypatch.delenv(ckpt.FAULT_ENV)
+    monkeypatch.delenv(faults.ENV)
     capfd.readouterr()
     assert main(["--config", str(cfg), "checkpoint.resume=auto"]) == 0
     assert f"resumed from {ckpt.checkpoint_dir(run, 3)}" in capfd.readouterr().err
@@ -149,9 +157,9 @@ def test_truncated_newest_checkpoint_is_skipped(
 ) -> None:
     cfg = _config(tmp_path)
     run = tmp_path / "run"
-    monkeypatch.setenv(ckpt.FAULT_ENV, "sigterm_at_step:7")
+    monkeypatch.setenv(faults.ENV, "sigterm_at_step:7")
     assert main(["--config", str(cfg)]) == 143
-    monkeypatch.delenv(ckpt.FAULT_ENV)
+    monkeypatch.delenv(faults.ENV)
     newest = ckpt.checkpoint_dir(run, 7)
     weights = newest / "model.safetensors"
     with open(weights, "r+b") as f:
@@ -165,7 +173,9 @@ def test_truncated_newest_checkpoint_is_skipped(
     _assert_same_as_reference(run, reference, 6)
 
 
-def test_auto_resume_refuses_a_foreign_directory(tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_auto_resume_refuses_a_foreign_directory(
+    tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     cfg = _config(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("someone else's files")
@@ -178,12 +188,30 @@ def test_sigterm_to_the_accelerate_launcher_alone_reaches_training(tmp_path: Pat
     """`accelerate launch` forwards no signals; the parent-death signal makes its death reach the trainer."""
     cfg = _config(tmp_path)
     run = tmp_path / "run"
-    env = {**os.environ, ckpt.FAULT_ENV: "wait_at_step:2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, faults.ENV: "wait_at_step:2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     log = (tmp_path / "launch.log").open("w")
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "finetune" / "train.py"), "--config", str(cfg)],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--cpu",
+            "--num_processes",
+            "1",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(ROOT / "finetune" / "train.py"),
+            "--config",
+            str(cfg),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     marker = run / "fault_waiting"
     deadline = time.monotonic() + 240
@@ -203,13 +231,24 @@ def test_sigterm_to_the_accelerate_launcher_alone_reaches_training(tmp_path: Pat
     assert not _alive(trainer), out[-3000:]
     assert "SIGTERM: stopped at step 2" in out, out[-3000:]
     newest = ckpt.newest_valid_checkpoint(run)
-    assert newest == ckpt.checkpoint_dir(run, 2) and ckpt.read_progress(newest)["step"] == 2
+    assert newest == ckpt.checkpoint_dir(run, 2) and ckpt.read_progress(newest).step == 2
 
 
-def test_early_stopping_export_best_and_rotation(tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_early_stopping_export_best_and_rotation(
+    tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     patience = 2
-    cfg = _config(tmp_path, {"train.eval_every_steps": 1, "checkpoint.every_steps": 1, "checkpoint.keep_last": 1,
-                             "checkpoint.export": "best", "train.early_stopping_patience": patience, "train.learning_rate": 3e-3})
+    cfg = _config(
+        tmp_path,
+        {
+            "train.eval_every_steps": 1,
+            "checkpoint.every_steps": 1,
+            "checkpoint.keep_last": 1,
+            "checkpoint.export": "best",
+            "train.early_stopping_patience": patience,
+            "train.learning_rate": 3e-3,
+        },
+    )
     run = tmp_path / "run"
     assert main(["--config", str(cfg)]) == 0
     evals = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval_accuracy" in x]
@@ -241,17 +280,19 @@ def test_early_stopping_export_best_and_rotation(tmp_path: Path, data_dir: Path,
     assert manifest.read_text() == manifest_before
 
 
-def test_preemption_at_a_checkpoint_step_saves_once(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preemption_at_a_checkpoint_step_saves_once(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # SIGTERM at step 3 with checkpoint.every_steps=3: the periodic checkpoint is the preemption one
     steps: list[int] = []
     real_save = ckpt.save_checkpoint
 
     def save(*args: Any, **kwargs: Any) -> Path:
-        steps.append(args[2])
+        steps.append(args[2].step)
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(ckpt, "save_checkpoint", save)
-    monkeypatch.setenv(ckpt.FAULT_ENV, "sigterm_at_step:3")
+    monkeypatch.setenv(faults.ENV, "sigterm_at_step:3")
     assert main(["--config", str(_config(tmp_path))]) == 143
     assert steps == [3]
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_00000003"]

@@ -9,18 +9,20 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT, TINY
 
 import finetune.train as train_mod
+from finetune import checkpoint as ckpt
+from finetune import runtime
 from finetune.config import load_config, parse_yaml12, validate_config
 from finetune.data import Collator
-
-from conftest import ROOT, TINY
 
 # Plain SGD, lr 1, no decay/clipping/warmup, fixed order: the optimizer sees exactly the accumulated gradient.
 EXACT = {
@@ -75,7 +77,9 @@ class _Spy:
         monkeypatch.setattr(train_mod, "build_optimizer", build_optimizer)
 
 
-def _window_gradients(spy: _Spy, windows: list[list[list[int]]], params: list[dict[str, torch.Tensor]], loss_of: Callable) -> list[dict[str, torch.Tensor]]:
+def _window_gradients(
+    spy: _Spy, windows: list[list[list[int]]], params: list[dict[str, torch.Tensor]], loss_of: Callable
+) -> list[dict[str, torch.Tensor]]:
     """Gradients an independent plain-torch computation gets at the given parameters for each window."""
     ds, tokenizer = spy.loader_args
     collate = Collator(tokenizer)
@@ -103,7 +107,9 @@ def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return float(diff / torch.cat([b[k].flatten() for k in b]).norm())
 
 
-def test_accumulated_gradient_equals_full_batch_gradient_on_ragged_windows(tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_accumulated_gradient_equals_full_batch_gradient_on_ragged_windows(
+    tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # 10 samples, micro-batch 4, accumulation 2: micro-batches [4, 4, 2] -> windows [4, 4] and [2]
     spy = _Spy(monkeypatch)
     cfg = tiny_config({**EXACT, "train.micro_batch_size": 4, "train.gradient_accumulation_steps": 2})
@@ -133,15 +139,36 @@ def test_accumulated_gradient_equals_full_batch_gradient_on_ragged_windows(tiny_
     assert _rel_err({n: params[1][n] for n in step1}, step1) <= 1e-6
 
 
-def test_batch_layouts_with_the_same_windows_train_the_same_weights(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
+def test_batch_layouts_with_the_same_windows_train_the_same_weights(
+    tiny_config: Callable[..., Path], tmp_path: Path
+) -> None:
     """micro 4 x accumulation 2 and micro 8 x accumulation 1 both make windows [8] and [2]."""
     from safetensors.torch import load_file
 
-    a = tiny_config({**EXACT, "train.micro_batch_size": 4, "train.gradient_accumulation_steps": 2, "run.output_dir": str(tmp_path / "a")}, name="a.yaml")
-    b = tiny_config({**EXACT, "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 1, "run.output_dir": str(tmp_path / "b")}, name="b.yaml")
+    a = tiny_config(
+        {
+            **EXACT,
+            "train.micro_batch_size": 4,
+            "train.gradient_accumulation_steps": 2,
+            "run.output_dir": str(tmp_path / "a"),
+        },
+        name="a.yaml",
+    )
+    b = tiny_config(
+        {
+            **EXACT,
+            "train.micro_batch_size": 8,
+            "train.gradient_accumulation_steps": 1,
+            "run.output_dir": str(tmp_path / "b"),
+        },
+        name="b.yaml",
+    )
     assert train_mod.main(["--config", str(a)]) == 0
     assert train_mod.main(["--config", str(b)]) == 0
-    wa, wb = load_file(tmp_path / "a" / "final" / "model.safetensors"), load_file(tmp_path / "b" / "final" / "model.safetensors")
+    wa, wb = (
+        load_file(tmp_path / "a" / "final" / "model.safetensors"),
+        load_file(tmp_path / "b" / "final" / "model.safetensors"),
+    )
     assert wa.keys() == wb.keys()
     moved = max((wa[k] - wb[k]).abs().max().item() for k in wa)
     assert moved <= 1e-5
@@ -151,7 +178,18 @@ def test_batch_layouts_with_the_same_windows_train_the_same_weights(tiny_config:
 
 def test_max_steps_ends_the_run_and_the_schedule(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
     # 64 rows, micro 4 x accumulation 2: 8 windows per epoch; epochs 3 but max_steps 5 -> 5 steps
-    cfg = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 8, "train.micro_batch_size": 4, "train.epochs": 3, "train.max_steps": 5, "train.warmup_ratio": 0.0, "train.lr_scheduler": "linear", "train.log_every_steps": 1})
+    cfg = tiny_config(
+        {
+            "data.max_train_samples": 64,
+            "data.max_eval_samples": 8,
+            "train.micro_batch_size": 4,
+            "train.epochs": 3,
+            "train.max_steps": 5,
+            "train.warmup_ratio": 0.0,
+            "train.lr_scheduler": "linear",
+            "train.log_every_steps": 1,
+        }
+    )
     assert train_mod.main(["--config", str(cfg)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
@@ -160,7 +198,16 @@ def test_max_steps_ends_the_run_and_the_schedule(tiny_config: Callable[..., Path
     # linear decay over exactly 5 steps: lr after step k is lr0 * (5 - k) / 5, reaching 0 at the end
     assert [r["lr"] for r in train_rows] == pytest.approx([lr0 * (5 - k) / 5 for k in range(1, 6)], rel=1e-6)
     # fractional epochs: 0.5 epoch of 8 windows is 4 steps
-    cfg2 = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 8, "train.micro_batch_size": 4, "train.epochs": 0.5, "train.log_every_steps": 1, "run.overwrite": True})
+    cfg2 = tiny_config(
+        {
+            "data.max_train_samples": 64,
+            "data.max_eval_samples": 8,
+            "train.micro_batch_size": 4,
+            "train.epochs": 0.5,
+            "train.log_every_steps": 1,
+            "run.overwrite": True,
+        }
+    )
     assert train_mod.main(["--config", str(cfg2)]) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
@@ -214,7 +261,9 @@ def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Pat
 
     # metrics.jsonl: a row per logging interval (steps 2, 4, ...) and eval rows (every 4 steps + final)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    steps_per_epoch = -(-cfg.data.max_train_samples // (cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps))
+    steps_per_epoch = -(
+        -cfg.data.max_train_samples // (cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps)
+    )
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == list(range(2, steps_per_epoch + 1, 2))
     assert all({"lr", "samples_per_s"} <= set(r) for r in train_rows)
@@ -245,7 +294,15 @@ def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # with a test split: eval.json holds its metrics under `test`, the trackers get them too
-    cfg = tiny_config({"data.max_train_samples": 64, "data.max_eval_samples": 16, "data.test_file": "sst2/dev.tsv", "train.log_every_steps": 1, "log.trackers": ["tensorboard"]})
+    cfg = tiny_config(
+        {
+            "data.max_train_samples": 64,
+            "data.max_eval_samples": 16,
+            "data.test_file": "sst2/dev.tsv",
+            "train.log_every_steps": 1,
+            "log.trackers": ["tensorboard"],
+        }
+    )
     assert train_mod.main(["--config", str(cfg)]) == 0
     ev = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert ev["test"]["num_samples"] == 16 and sum(map(sum, ev["test"]["confusion_matrix"])) == 16
@@ -271,7 +328,7 @@ def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> 
     model = build_model(cfg, ["negative", "positive"], tok)
     out = tmp_path / "final"
     accelerator = Accelerator(cpu=True)
-    train_mod.export_final(accelerator, model, tok, out)
+    ckpt.export_final(accelerator, model, tok, out, 128)
     assert "Writing model shards" not in capfd.readouterr().err  # no progress bar for a sub-second save
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
@@ -282,9 +339,9 @@ def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> 
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # a different export
     with pytest.raises(OSError, match="disk full"):
-        train_mod.export_final(accelerator, model, BrokenTokenizer(), out)
+        ckpt.export_final(accelerator, model, BrokenTokenizer(), out, 128)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    train_mod.export_final(accelerator, model, tok, out)  # the leftover temporary does not get in the way
+    ckpt.export_final(accelerator, model, tok, out, 128)  # the leftover temporary does not get in the way
     assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
@@ -295,15 +352,19 @@ def test_setup_logging_closes_the_previous_log_file(tmp_path: Path) -> None:
 
     acc: Any = SimpleNamespace(is_main_process=True)
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    train_mod.setup_logging(acc, tmp_path / "a")
+    runtime.setup_logging(acc, tmp_path / "a")
     first = [h for h in train_mod.logger.handlers if isinstance(h, logging.FileHandler)]
-    train_mod.setup_logging(acc, tmp_path / "b")
+    runtime.setup_logging(acc, tmp_path / "b")
     assert len(first) == 1 and first[0].stream is None  # closed, not leaked
-    assert [h.baseFilename for h in train_mod.logger.handlers if isinstance(h, logging.FileHandler)] == [str(tmp_path / "b" / "train.log")]
-    train_mod.setup_logging(acc, None)
+    assert [h.baseFilename for h in train_mod.logger.handlers if isinstance(h, logging.FileHandler)] == [
+        str(tmp_path / "b" / "train.log")
+    ]
+    runtime.setup_logging(acc, None)
 
 
-def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(tmp_path: Path, tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(
+    tmp_path: Path, tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Fused AdamW dividing by grad_scale = max(1, norm / max_norm) gives the weights of
     clip_grad_norm_ followed by the step, with clipping active on every step."""
     from safetensors.torch import load_file
@@ -316,7 +377,12 @@ def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(tmp_path: Path, 
         norms.append(float(norm))
         return norm
 
-    updates = {"data.max_train_samples": 64, "data.max_eval_samples": 16, "train.max_grad_norm": 0.005, "train.log_every_steps": 1}
+    updates = {
+        "data.max_train_samples": 64,
+        "data.max_eval_samples": 16,
+        "train.max_grad_norm": 0.005,
+        "train.log_every_steps": 1,
+    }
     monkeypatch.setattr(train_mod, "fold_clipping_into_step", spy)
     folded = tiny_config({**updates, "run.output_dir": str(tmp_path / "folded")}, name="folded.yaml")
     assert train_mod.main(["--config", str(folded)]) == 0
@@ -325,7 +391,10 @@ def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(tmp_path: Path, 
     plain = tiny_config({**updates, "run.output_dir": str(tmp_path / "plain")}, name="plain.yaml")
     assert train_mod.main(["--config", str(plain)]) == 0
     assert len(norms) == 2  # the reference run used clip_grad_norm_
-    a, b = load_file(tmp_path / "folded" / "final" / "model.safetensors"), load_file(tmp_path / "plain" / "final" / "model.safetensors")
+    a, b = (
+        load_file(tmp_path / "folded" / "final" / "model.safetensors"),
+        load_file(tmp_path / "plain" / "final" / "model.safetensors"),
+    )
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
 
 

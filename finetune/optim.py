@@ -1,0 +1,203 @@
+"""Optimizers, learning-rate schedule, gradient clipping and batch arithmetic.
+
+Both the training loop and the memory planner build their optimizer here, so a plan measures the
+optimizer state training will hold. Batch arithmetic: the effective batch is micro-batch x
+accumulation x processes; `train.batch_size` may fix it and leave the split to the config or the
+planner; the micro-batch ladder and the out-of-memory step down keep the effective batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+from transformers import get_scheduler
+from transformers.optimization import Adafactor
+
+from finetune.config import Config
+from finetune.errors import UserError
+from finetune.precision import Bf16AdamW
+
+# process layouts where every process holds whole parameters and gradients (no FSDP/DeepSpeed sharding)
+_WHOLE_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with no weight decay on biases and norm weights (every parameter with ndim < 2).
+
+    Plain SGD makes the update proportional to the gradient, which is what tests of exact
+    accumulation compare; AdamW's update is nearly invariant to the gradient's scale.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    t = cfg.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
+    if t.optimizer == "adafactor":
+        # factored second moment, no first moment (beta1=None): state ~ rows + columns per matrix;
+        # a fixed learning rate (no relative step / parameter scaling) so the scheduler drives it
+        return Adafactor(groups, lr=t.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
+    if t.optimizer == "adamw8bit":
+        return build_adamw8bit(cfg, groups)
+    if cfg.precision.mode == "bf16-true":  # bf16 weights: an update that keeps small steps (precision.bf16_update)
+        return Bf16AdamW(
+            groups,
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            update=cfg.precision.bf16_update,
+        )
+    return torch.optim.AdamW(
+        groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, fused=_fused_adamw_ok(cfg)
+    )
+
+
+def _fused_adamw_ok(cfg: Config) -> bool:
+    """Use torch's fused AdamW kernel: the same update, ~8x cheaper than the default per-parameter
+    loop on CPU (MiniLM: 13 vs 105 ms a step, one thread); Trainer's default too. Not with fp16
+    (the GradScaler hands a fused step its skip flag, which hides skipped steps from Accelerate)
+    nor under FSDP/DeepSpeed, which wrap or shard the parameters themselves."""
+    state = PartialState()
+    return (
+        cfg.precision.mode in ("fp32", "bf16")
+        and state.distributed_type in _WHOLE_GRADIENTS
+        and state.device.type in _get_fused_kernels_supported_devices()
+    )
+
+
+def clipping_folds_into_step(optimizer: torch.optim.Optimizer, accelerator: Accelerator) -> bool:
+    """Whether `fold_clipping_into_step` applies: torch's fused AdamW, no fp16 grad scaler (which
+    owns `grad_scale`), gradients whole on each process (no FSDP/DeepSpeed sharding)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return (
+        isinstance(inner, torch.optim.AdamW)
+        and bool(inner.defaults.get("fused"))
+        and accelerator.scaler is None
+        and accelerator.distributed_type in _WHOLE_GRADIENTS
+    )
+
+
+def fold_clipping_into_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float
+) -> torch.Tensor:
+    """Clip by global norm inside fused AdamW's kernel; return the norm before clipping.
+
+    `clip_grad_norm_` multiplies every gradient by min(1, max_norm / (norm + 1e-6)) in a pass of
+    its own; fused AdamW already reads every gradient and divides it by `grad_scale` (the hook
+    GradScaler uses), so setting grad_scale = max(1, (norm + 1e-6) / max_norm) gives the same
+    update with one pass over the gradients fewer (2.6 of ~200 ms a step on MiniLM, CPU).
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    inner = getattr(optimizer, "optimizer", optimizer)
+    inner.grad_scale = torch.clamp(norm + 1e-6, min=max_norm) / max_norm  # type: ignore[attr-defined]
+    return norm
+
+
+def build_adamw8bit(cfg: Config, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """bitsandbytes' 8-bit AdamW (block-quantized moments): CUDA only, bitsandbytes optional."""
+    t = cfg.train
+    if not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
+        raise UserError(
+            "train.optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit kernels); on CPU use adamw or adafactor"
+        )
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise UserError("train.optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
+    return bnb.optim.AdamW8bit(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon)
+
+
+def planned_steps(cfg: Config, windows_per_epoch: int) -> tuple[int, int]:
+    """(total optimizer steps, epochs to iterate): whichever of epochs and max_steps ends first."""
+    total = math.ceil(cfg.train.epochs * windows_per_epoch)
+    if cfg.train.max_steps is not None:
+        total = min(total, cfg.train.max_steps)
+    return total, math.ceil(total / windows_per_epoch)
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+    """Warmup then linear/cosine/constant decay, counted in optimizer steps."""
+    warmup = (
+        cfg.train.warmup_steps if cfg.train.warmup_steps is not None else round(cfg.train.warmup_ratio * total_steps)
+    )
+    name = "constant_with_warmup" if cfg.train.lr_scheduler == "constant" else cfg.train.lr_scheduler
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+
+
+
+def effective_batch(cfg: Config, num_processes: int = 1) -> int:
+    """Effective batch: `train.batch_size`, else micro-batch x accumulation x processes."""
+    t = cfg.train
+    if t.batch_size is not None:
+        return t.batch_size
+    assert t.micro_batch_size != "auto"  # the config validator requires batch_size with auto
+    return int(t.micro_batch_size) * t.gradient_accumulation_steps * num_processes
+
+
+def resolve_batch(cfg: Config, num_processes: int) -> tuple[int | None, int | None, int]:
+    """(micro-batch, accumulation, effective batch) per process; (None, None, E) when auto.
+
+    `train.batch_size` alone replaces the two explicit keys (micro = E / processes, no
+    accumulation); with an explicit micro-batch the accumulation is derived; with both explicit
+    the three must agree. Every mismatch is one error naming all three keys.
+    """
+    t = cfg.train
+    given = t.model_fields_set
+    P = num_processes
+    if t.batch_size is None:
+        assert t.micro_batch_size != "auto"
+        micro, G = int(t.micro_batch_size), t.gradient_accumulation_steps
+        return micro, G, micro * G * P
+    E = t.batch_size
+    explicit_micro = "micro_batch_size" in given
+    explicit_G = "gradient_accumulation_steps" in given
+
+    def disagree(reason: str) -> UserError:
+        return UserError(
+            f"train.batch_size={E} must equal train.micro_batch_size ({t.micro_batch_size}) x "
+            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if explicit_G else 'derived'}) x processes ({P}): {reason}"
+        )
+
+    if E % P:
+        raise disagree(f"{E} is not divisible by {P} processes")
+    if t.micro_batch_size == "auto":
+        return None, None, E
+    if not explicit_micro:
+        if explicit_G:
+            if (E // P) % t.gradient_accumulation_steps:
+                raise disagree(
+                    f"{E // P} samples per process do not split into {t.gradient_accumulation_steps} micro-batches"
+                )
+            return E // P // t.gradient_accumulation_steps, t.gradient_accumulation_steps, E
+        return E // P, 1, E
+    micro = int(t.micro_batch_size)
+    if (E // P) % micro:
+        raise disagree(f"{E // P} samples per process is not a multiple of the micro-batch")
+    G = E // P // micro
+    if explicit_G and G != t.gradient_accumulation_steps:
+        raise disagree(f"{micro} x {t.gradient_accumulation_steps} x {P} = {micro * t.gradient_accumulation_steps * P}")
+    return micro, G, E
+
+
+def micro_batch_ladder(per_process: int) -> list[int]:
+    """Micro-batch sizes to try: powers of two dividing the per-process batch, and the batch itself."""
+    sizes = [m for m in (1 << k for k in range(per_process.bit_length())) if per_process % m == 0]
+    if per_process not in sizes:
+        sizes.append(per_process)
+    return sizes
+
+
+def smaller_micro_batch(micro: int, accumulation: int) -> tuple[int, int]:
+    """The next micro-batch down (half, or the largest divisor below half) and the accumulation
+    that keeps micro x accumulation unchanged."""
+    new = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+    return new, accumulation * (micro // new)
+

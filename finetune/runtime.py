@@ -1,0 +1,329 @@
+"""Runtime concerns of a training process: the Accelerator, threads, determinism, logging,
+signals and preemption, and out-of-memory recovery inside an accumulation window.
+
+Exit codes after a preemption checkpoint: 143 (SIGTERM) and 130 (SIGINT), see docs/RESUME.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import accelerate
+import datasets
+import torch
+import transformers
+from accelerate import Accelerator, DataLoaderConfiguration
+
+from finetune.config import Config
+from finetune.errors import UserError
+from finetune.optim import smaller_micro_batch
+from finetune.precision import accelerate_mixed_precision, check_supported
+
+logger = logging.getLogger("finetune")
+
+EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}  # 128 + signal number, as a shell reports a killed job
+DYNAMO_ENV = "ACCELERATE_DYNAMO_BACKEND"  # set by `accelerate launch` from an `accelerate config` with dynamo
+
+
+# ----------------------------------------------------------------------------------------------
+# Process set-up.
+
+
+def check_launch_dynamo(cfg: Config) -> None:
+    """Refuse a launch config that asks Accelerate to compile while `model.compile` is off.
+
+    Accelerate would wrap the model in a second compile of its own (a module compiled in place is
+    no `OptimizedModule`); finetune always passes `dynamo_backend="no"` and compiles in
+    `model.compile` only.
+
+    Raises:
+        UserError: ACCELERATE_DYNAMO_BACKEND asks for a backend and `model.compile` is false.
+    """
+    backend = os.environ.get(DYNAMO_ENV, "no")
+    if backend.lower() in ("no", ""):
+        return
+    if not cfg.model.compile:
+        raise UserError(
+            f"the Accelerate launch config asks for torch.compile ({DYNAMO_ENV}={backend}) but model.compile is false; "
+            "finetune compiles the model itself: set model.compile=true (and model.compile_backend), "
+            "or remove dynamo from the Accelerate config"
+        )
+    logger.info(f"{DYNAMO_ENV}={backend} ignored: the model is compiled once, by model.compile")
+
+
+def build_accelerator(cfg: Config) -> Accelerator:
+    """Accelerator with mixed precision, gradient accumulation and global (split) batches.
+
+    Raises:
+        UserError: the launch config contradicts the run config (accumulation, dynamo), or the
+            precision mode is not supported on this device.
+    """
+    check_launch_dynamo(cfg)
+    accelerator = Accelerator(
+        mixed_precision=accelerate_mixed_precision(cfg.precision.mode),
+        gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
+        # batches are global (micro-batch x processes) and split across ranks: the scheduler
+        # then steps once per optimizer step and every rank sees its slice of the same batch
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+        dynamo_backend="no",
+        log_with=list(cfg.log.trackers) or None,
+        project_dir=cfg.run.output_dir,
+    )
+    check_supported(cfg.precision.mode, accelerator.device)
+    if accelerator.gradient_accumulation_steps != cfg.train.gradient_accumulation_steps:
+        # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (set by `accelerate launch` from a DeepSpeed
+        # config) overrides the argument; the sampler's windows and the loss scale use the config's
+        raise UserError(
+            f"the Accelerate launch config sets gradient accumulation to {accelerator.gradient_accumulation_steps} "
+            f"but train.gradient_accumulation_steps is {cfg.train.gradient_accumulation_steps}; set it in one place "
+            "(remove gradient_accumulation_steps from the Accelerate/DeepSpeed config)"
+        )
+    return accelerator
+
+
+def local_processes() -> int:
+    """Training processes on this machine (set by `accelerate launch` / torchrun; 1 otherwise)."""
+    for key in ("LOCAL_WORLD_SIZE", "ACCELERATE_NUM_PROCESSES_PER_NODE"):
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def apply_num_threads(setting: int | str) -> int:
+    """`run.num_threads`: set torch's intra-op threads before the model is built; return the count.
+
+    `auto` is the cores this process may use divided among the local processes. `accelerate
+    launch` exports OMP_NUM_THREADS=1 to its child, which alone made a CPU run 1.5x slower.
+    """
+    if setting == "auto":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // local_processes())
+    else:
+        threads = int(setting)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def configure_determinism(enabled: bool) -> None:
+    """`precision.deterministic`: deterministic kernels, needed for bitwise exact resume on CUDA.
+
+    Sets CUBLAS_WORKSPACE_CONFIG (must happen before cuBLAS initialises) and
+    `torch.use_deterministic_algorithms(True)`; ops without a deterministic kernel then raise.
+    CPU fp32 training is deterministic without it.
+    """
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+
+def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
+    """Log to stderr on the main process (and to train.log in the run directory)."""
+    for handler in logger.handlers:
+        handler.close()  # the previous run's train.log (in-process runs: tests, notebooks) is not left open
+    logger.handlers.clear()
+    logger.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
+    logger.propagate = False
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(stream)
+    if run_dir is not None and accelerator.is_main_process:
+        fh = logging.FileHandler(run_dir / "train.log")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(fh)
+
+
+def provenance(files: dict[str, Path], data_sha256: dict[str, str]) -> dict[str, Any]:
+    """Library versions, git commit and data-file hashes (computed once, also used for resume checks)."""
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "datasets": datasets.__version__,
+        "git_commit": commit,
+        "data_files": {split: {"path": str(p), "sha256": data_sha256[split]} for split, p in files.items()},
+        "command": sys.argv,
+    }
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Preemption.
+
+
+class Preempted(Exception):
+    """Raised by the loop after the preemption checkpoint is on disk; entry points turn it into an exit code."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path) -> None:
+        super().__init__(f"stopped by {signal_name} at step {step}; checkpoint {checkpoint}")
+        self.signal_name = signal_name
+        self.step = step
+        self.checkpoint = checkpoint
+        self.exit_code = EXIT_CODES.get(signal_name, 143)
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: have the kernel send us SIGTERM when our parent (the launcher) dies.
+
+    `accelerate launch` forwards no signals: a SIGTERM sent to the launcher alone kills it and
+    the training process would run on unaware. Only done under a launcher (its environment
+    variables are set), because a plain `nohup finetune train &` must survive its shell.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    launched = any(
+        k in os.environ
+        for k in ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+    )
+    if not launched:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        return
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class PreemptionGuard:
+    """SIGTERM/SIGINT set a flag; the loop checks it at optimizer-step boundaries.
+
+    Used as a context manager so the previous handlers come back afterwards (tests run
+    `main()` in-process under pytest, whose SIGINT handler must survive).
+    """
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name = name
+            if os.environ.get("RANK", "0") == "0":
+                print(
+                    f"\n{name} received: saving a checkpoint at the end of this optimizer step",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        elif signum == signal.SIGINT:  # a second Ctrl-C means: stop now
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+            _set_parent_death_signal()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def requested(self, accelerator: Accelerator) -> str | None:
+        """The signal to stop for, agreed by all processes (any rank signalled -> all stop at this step)."""
+        if accelerator.num_processes == 1:
+            return self.signal_name
+        code = {None: 0, "SIGINT": 1, "SIGTERM": 2}.get(self.signal_name, 2)
+        agreed = int(accelerator.reduce(torch.tensor(code, device=accelerator.device), "max").item())
+        return {0: None, 1: "SIGINT", 2: "SIGTERM"}[agreed]
+
+
+def resume_hint(prog: str, config: str, overrides: list[str]) -> str:
+    """The one command that resumes a run (the overrides kept, checkpoint.resume set to auto)."""
+    kept = [o for o in overrides if not o.startswith("checkpoint.resume=") and not o.startswith("run.overwrite=")]
+    return " ".join([prog, "--config", config, *kept, "checkpoint.resume=auto"])
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Out-of-memory recovery.
+
+
+class OutOfMemoryGuard:
+    """Around the forward and backward of one micro-batch: swallows `torch.OutOfMemoryError` and
+    records it, so the loop can halve the micro-batch, double the accumulation and redo the window
+    (same effective batch). Only forward/backward: the weights are untouched until the optimizer
+    step, which runs outside the guard (an error there is not recoverable without a checkpoint).
+    """
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.message = ""
+
+    def __enter__(self) -> OutOfMemoryGuard:
+        self.hit = False
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
+        if typ is not None and issubclass(typ, torch.OutOfMemoryError):
+            self.hit = True
+            self.message = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            return True
+        return False
+
+    def shrink(self, micro: int, accumulation: int, batches_done: int) -> tuple[int, int, int]:
+        """(micro, accumulation, micro-batches to skip) to redo the current window with.
+
+        Every window before the current one is full (only an epoch's last window is short), so the
+        windows done are (batches_done - 1) // accumulation, and the rebuilt loader - whose
+        windows hold the same samples (`WindowedBatchSampler`) - skips that many windows.
+
+        Raises:
+            UserError: the micro-batch is 1 already.
+        """
+        if micro == 1:
+            raise UserError(
+                f"out of memory at micro-batch 1 ({self.message}); try precision.mode=bf16, "
+                "model.gradient_checkpointing=true, model.lora or a shorter data.max_length "
+                "(`finetune plan` shows where the memory goes)"
+            )
+        windows_done = (batches_done - 1) // accumulation
+        new_micro, new_acc = smaller_micro_batch(micro, accumulation)
+        logger.warning(
+            f"out of memory at micro-batch {micro} x accumulation {accumulation} ({self.message}); "
+            f"redoing the window with micro-batch {new_micro} x accumulation {new_acc} (same effective batch)"
+        )
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the failed window's blocks
+        return new_micro, new_acc, windows_done * new_acc
+
+
+def optimizer_step_out_of_memory(step: int, exc: BaseException, last_checkpoint: Path | None) -> UserError:
+    """The one-line error for an out-of-memory error inside the optimizer step.
+
+    Part of the weights may already be updated, so the window cannot be redone in place.
+    """
+    where = f"the last checkpoint {last_checkpoint} is intact" if last_checkpoint else "no checkpoint was written yet"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+    return UserError(
+        f"out of memory inside optimizer step {step} ({first}): the weights may be half updated, so the step "
+        f"cannot be redone; {where}; resume with checkpoint.resume=auto and a smaller train.micro_batch_size "
+        "(same effective batch), or train.optimizer=adafactor"
+    )
