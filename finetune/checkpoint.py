@@ -126,20 +126,25 @@ def adapt_to_launch(progress: TrainingProgress, micro: int, accumulation: int, p
         UserError: the effective batch would change.
     """
     saved_p = progress.num_processes if progress.num_processes is not None else processes
-    saved = f"{saved_p} process(es) x micro-batch {progress.micro_batch_size} x accumulation {progress.gradient_accumulation_steps}"
+    saved_layout = (saved_p, progress.micro_batch_size, progress.gradient_accumulation_steps)
+    saved = "{} process(es) x micro-batch {} x accumulation {}".format(*saved_layout)
     saved_e = progress.micro_batch_size * progress.gradient_accumulation_steps * saved_p
     if saved_e != micro * accumulation * processes:
         raise UserError(
             f"cannot resume from {path}: it was trained with {saved} = effective batch {saved_e}, this launch has "
             f"{processes} process(es) x micro-batch {micro} x accumulation {accumulation} = "
-            f"{micro * accumulation * processes}; relaunch with {saved_p} process(es), or set train.batch_size={saved_e} "
+            f"{micro * accumulation * processes}; relaunch with {saved_p} process(es), or set "
+            f"train.batch_size={saved_e} "
             "(without train.micro_batch_size) so the split follows the process count"
         )
     if saved_p != processes:
         windows_done = progress.batches_in_epoch // progress.gradient_accumulation_steps
         progress.batches_in_epoch = windows_done * accumulation
         progress.micro_batch_size, progress.gradient_accumulation_steps = micro, accumulation
-        logger.info(f"resuming a run of {saved} with {processes} process(es) x micro-batch {micro} x accumulation {accumulation}")
+        logger.info(
+            f"resuming a run of {saved} with {processes} process(es) x micro-batch {micro} "
+            f"x accumulation {accumulation}"
+        )
     progress.num_processes = processes
 
 
@@ -274,7 +279,8 @@ def is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(exc)
-    return any(s in text for s in ("No space left on device", "StorageFull", "Disk quota exceeded", "file write failed"))
+    signs = ("No space left on device", "StorageFull", "Disk quota exceeded", "file write failed")
+    return any(s in text for s in signs)
 
 
 def _tree_bytes(path: Path) -> int:
@@ -419,7 +425,11 @@ def _resolved_config(path: Path) -> dict[str, Any]:
 
 
 def check_compatible(path: Path, current: dict[str, Any], data_sha256: dict[str, str]) -> None:
-    """Refuse to resume `path` under a config (or data) that would change the result."""
+    """Refuse to resume `path` under a config (or data) that would change the result.
+
+    Raises:
+        UserError: the config or a data file changed in a way that changes the result.
+    """
     saved = _resolved_config(path / "config.yaml")
     diffs = config_differences(saved, current)
     if diffs:
@@ -459,6 +469,9 @@ def find_resume_checkpoint(
     with a warning); a non-empty `run_dir` that holds no run of this config is refused.
     A path: that checkpoint, which must be complete; the run continues in `run_dir`, which must be
     empty, the checkpoint's own run, or a run of this config. Either way the config must be compatible.
+
+    Raises:
+        UserError: the checkpoint is incomplete, or the run directory holds another run.
     """
     if resume is None:
         return None
@@ -469,7 +482,8 @@ def find_resume_checkpoint(
             if not _empty(run_dir):
                 if not _holds_this_run(run_dir, current):
                     raise UserError(
-                        f"checkpoint.resume=auto: run.output_dir {run_dir} is not empty and holds no run of this config; "
+                        f"checkpoint.resume=auto: run.output_dir {run_dir} is not empty and holds no run of this "
+                        "config; "
                         "choose another run.output_dir (or set run.overwrite=true with checkpoint.resume=null)"
                     )
                 logger.warning(f"warning: {run_dir} holds no complete checkpoint of this run yet: starting from step 0")
@@ -509,10 +523,15 @@ def is_better(metric: str, new: float, old: float | None) -> bool:
 
 
 def update_best(best: dict[str, Any], metric: str, metrics: dict[str, Any], step: int) -> bool:
-    """Fold an evaluation into `best` ({value, step, bad_evals}); True when it improved."""
+    """Fold an evaluation into `best` ({value, step, bad_evals}); True when it improved.
+
+    Raises:
+        UserError: `metric` is not among the evaluation's metrics.
+    """
     if metric not in metrics:
         raise UserError(
-            f"checkpoint.best_metric={metric!r} is not an evaluation metric; choose one of {sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))}"
+            f"checkpoint.best_metric={metric!r} is not an evaluation metric; choose one of "
+            f"{sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))}"
         )
     value = float(metrics[metric])
     if is_better(metric, value, best.get("value")):

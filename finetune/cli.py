@@ -21,7 +21,8 @@ def _cmd_train(argv: list[str]) -> int:
 def _cmd_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="finetune plan",
-        description="Predict the peak memory of a training step for a ladder of micro-batch sizes (fake tensors: nothing is allocated).",
+        description="Predict the peak memory of a training step for a ladder of micro-batch sizes (fake tensors: "
+                    "nothing is allocated).",
     )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. precision.mode=bf16")
@@ -47,7 +48,8 @@ def _cmd_plan(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     from finetune.config import load_config
-    from finetune.planner import effective_batch, format_plan, plan, plan_json
+    from finetune.optim import effective_batch, resolve_batch
+    from finetune.planner import format_plan, plan, plan_json
 
     cfg = load_config(args.config, args.overrides)
     if args.budget_gb is not None and args.budget_gb <= 0:
@@ -55,8 +57,6 @@ def _cmd_plan(argv: list[str]) -> int:
     if args.num_processes < 1:
         raise UserError("--num-processes must be at least 1")
     if cfg.train.micro_batch_size == "auto" or cfg.train.batch_size is not None:
-        from finetune.planner import resolve_batch
-
         resolve_batch(cfg, args.num_processes)  # batch_size, micro-batch and accumulation must agree
     per_process = effective_batch(cfg, args.num_processes) // args.num_processes
     bad = [m for m in args.micro or [] if m < 1 or per_process % m]
@@ -157,7 +157,7 @@ def predict_texts(
                     "text": texts[i],
                     "label": names[best],
                     "score": p[best],
-                    "probabilities": dict(zip(names, p)),
+                    "probabilities": dict(zip(names, p, strict=True)),
                 }
     return [o for o in out if o is not None]
 

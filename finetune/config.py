@@ -79,7 +79,11 @@ Yaml12Loader.add_constructor("tag:yaml.org,2002:bool", _construct_bool12)
 
 
 def parse_yaml12(text: str, source: str = "<string>") -> Any:
-    """Parse YAML text with YAML 1.2 number/bool rules; raise UserError naming the line on bad YAML."""
+    """Parse YAML text with YAML 1.2 number/bool rules; raise UserError naming the line on bad YAML.
+
+    Raises:
+        UserError: the text is not valid YAML (the message names the line).
+    """
     try:
         return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
@@ -316,9 +320,10 @@ class Config(_Section):
                 t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1
             )
             if t.batch_size % per_window:
+                accumulation = t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else "derived"
                 raise ValueError(
                     f"train.batch_size={t.batch_size} must equal train.micro_batch_size ({t.micro_batch_size}) x "
-                    f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if 'gradient_accumulation_steps' in given else 'derived'}) x processes"
+                    f"train.gradient_accumulation_steps ({accumulation}) x processes"
                 )
         return self
 
@@ -367,7 +372,11 @@ def _expand_env(value: Any) -> Any:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `dotted.key=value` overrides; values are YAML 1.2 scalars (or flow lists/maps)."""
+    """Apply `dotted.key=value` overrides; values are YAML 1.2 scalars (or flow lists/maps).
+
+    Raises:
+        UserError: an override is not `dotted.key=value` or walks into a non-section.
+    """
     for item in overrides:
         if "=" not in item:
             raise UserError(f"override {item!r} is not of the form dotted.key=value")
@@ -441,7 +450,11 @@ def _format_errors(exc: ValidationError) -> list[str]:
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read, override and validate a config; raise one UserError that lists every problem."""
+    """Read, override and validate a config; raise one UserError that lists every problem.
+
+    Raises:
+        UserError: the file is missing or invalid; every problem is listed in one message.
+    """
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file {path} does not exist")
@@ -459,7 +472,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 
 def validate_config(raw: dict[str, Any], source: str = "config") -> Config:
-    """Validate a raw mapping (env vars expanded) into a Config, listing all problems at once."""
+    """Validate a raw mapping (env vars expanded) into a Config, listing all problems at once.
+
+    Raises:
+        UserError: unknown keys (with a did-you-mean) or invalid values, all listed at once.
+    """
     raw = _expand_env(raw)
     try:
         return Config.model_validate(raw)

@@ -87,7 +87,11 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def read_file(cfg: Config, path: Path) -> datasets.Dataset:
-    """Read one local file (or a `Dataset.save_to_disk` directory) into a Dataset with every column as given."""
+    """Read one local file (or a `Dataset.save_to_disk` directory) into a Dataset with every column as given.
+
+    Raises:
+        UserError: the file is missing, undecodable or not in the configured format.
+    """
     if path.is_dir():
         return _read_saved(path)
     if not path.is_file():
@@ -271,7 +275,8 @@ def _hub_split(cfg: Config, split: str | None) -> datasets.Dataset | None:
         ):
             raise UserError(
                 f"cannot reach the HuggingFace hub for dataset {d.hub_dataset!r} (offline); "
-                "to use local files set data.hub_dataset=null and data.train_file / data.validation_file (e.g. configs/sst2-minilm.yaml)"
+                "to use local files set data.hub_dataset=null and data.train_file / data.validation_file (e.g. "
+                "configs/sst2-minilm.yaml)"
             ) from None
         raise UserError(
             f"cannot load hub dataset {d.hub_dataset!r} split {split!r}: {str(exc).splitlines()[0]}"
@@ -649,7 +654,7 @@ class PackingCollator(Collator):
         segment_ids = torch.zeros((rows, capacity), dtype=torch.long)
         segments_in_row = [0] * rows
         cls_index = []
-        for f, n, (row, offset) in zip(features, lengths, place):
+        for f, n, (row, offset) in zip(features, lengths, place, strict=True):
             segments_in_row[row] += 1
             input_ids[row, offset : offset + n] = torch.tensor(f["input_ids"])
             if "token_type_ids" in f:

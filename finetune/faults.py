@@ -51,7 +51,9 @@ def announce() -> None:
     """At the start of a run: forget earlier runs' one-shot faults; log loudly when injection is on."""
     _fired.clear()
     if spec():
-        logger.warning(f"WARNING: test-only fault injection is ON ({ENV}={spec()!r}); this run will be interrupted on purpose")
+        logger.warning(
+            f"WARNING: test-only fault injection is ON ({ENV}={spec()!r}); this run will be interrupted on purpose"
+        )
 
 
 def at(kind: str, value: int) -> bool:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from finetune.errors import UserError
+
 logger = logging.getLogger("finetune")
 
 MIB = 1 << 20
@@ -207,7 +209,8 @@ class MemoryMonitor:
             self._sample_step = step + 1
         except Exception as exc:  # the report says why there is no breakdown; training goes on
             logger.warning(
-                f"warning: MemTracker could not start ({type(exc).__name__}: {exc}); memory breakdown from measured peaks"
+                f"warning: MemTracker could not start ({type(exc).__name__}: {exc}); memory breakdown from measured "
+                "peaks"
             )
             self._tracker = None
             self.sample = {"error": f"{type(exc).__name__}: {exc}"}
@@ -268,7 +271,8 @@ class MemoryMonitor:
                 activations_bytes=peak.get("Activation", 0),
                 temporaries_bytes=peak.get("Temp", 0),
                 peak_bytes=peak.get("Total", sum(peak.values())),
-                breakdown_method=f"MemTracker on optimizer step {sample['step']} (a whole accumulation window and the optimizer step)",
+                breakdown_method=f"MemTracker on optimizer step {sample['step']} (a whole accumulation window and the "
+                                 "optimizer step)",
                 memtracker_peak=peak,
             )
         if self.cuda:
@@ -292,7 +296,8 @@ class MemoryMonitor:
                     activations_bytes=max(0, peak_alloc - rest),
                     temporaries_bytes=0,
                     peak_bytes=peak_alloc,
-                    breakdown_method="measured CUDA peak allocated minus parameters, gradients and optimizer state (activations include temporaries)",
+                    breakdown_method="measured CUDA peak allocated minus parameters, gradients and optimizer state "
+                                     "(activations include temporaries)",
                 )
         if "error" in sample:
             rep["breakdown_method"] += f"; MemTracker failed: {sample['error']}"
@@ -342,18 +347,21 @@ def format_markdown(rep: dict[str, Any]) -> str:
         "peak_bytes",
     ):
         lines.append(
-            f"| {key.removesuffix('_bytes')} | {_mib(rep.get(key))} | {rep.get(key) if rep.get(key) is not None else '-'} |"
+            f"| {key.removesuffix('_bytes')} | {_mib(rep.get(key))} | "
+            f"{rep.get(key) if rep.get(key) is not None else '-'} |"
         )
     lines += ["", f"Breakdown at the peak: {rep['breakdown_method']}.", f"Gradients: {rep['gradients_source']}.", ""]
     cpu = rep.get("cpu") or {}
     if cpu.get("peak_rss_bytes"):
         lines.append(
-            f"CPU peak RSS ({cpu['peak_rss_scope']}): {_mib(cpu['peak_rss_bytes'])} MiB; now {_mib(cpu['current_rss_bytes'])} MiB."
+            f"CPU peak RSS ({cpu['peak_rss_scope']}): {_mib(cpu['peak_rss_bytes'])} MiB; now "
+            f"{_mib(cpu['current_rss_bytes'])} MiB."
         )
     cuda = rep.get("cuda")
     if cuda:
         lines += [
-            f"CUDA peak allocated {_mib(cuda['peak_allocated_bytes'])} MiB, peak reserved {_mib(cuda['peak_reserved_bytes'])} MiB ({cuda['peak_scope']}).",
+            f"CUDA peak allocated {_mib(cuda['peak_allocated_bytes'])} MiB, peak reserved "
+            f"{_mib(cuda['peak_reserved_bytes'])} MiB ({cuda['peak_scope']}).",
             f"Now: allocated {_mib(cuda['allocated_bytes'])} MiB, reserved {_mib(cuda['reserved_bytes'])} MiB, "
             f"fragmentation (reserved - allocated) {_mib(cuda['fragmentation_bytes'])} MiB; "
             f"allocation retries {cuda['alloc_retries']}, OOMs {cuda['ooms']}.",
@@ -396,11 +404,13 @@ def plot_memory(metrics_file: Path, out: Path, upto_step: int | None = None) -> 
 
 
 def report_table(run_dir: Path) -> str:
-    """`finetune report RUN_DIR`: one row per checkpoint with its memory report."""
+    """`finetune report RUN_DIR`: one row per checkpoint with its memory report.
+
+    Raises:
+        UserError: `run_dir` is not a run directory.
+    """
     root = Path(run_dir) / "checkpoints"
     if not Path(run_dir).is_dir():
-        from finetune.errors import UserError
-
         raise UserError(f"{run_dir} is not a run directory")
     reports = []
     for d in sorted(root.glob("step_*")) if root.is_dir() else []:
@@ -441,9 +451,12 @@ def report_table(run_dir: Path) -> str:
             ]
         )
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(
-        c.rjust(w) if i < len(head) - 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-    )  # noqa: E731
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i < len(head) - 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
     cfg = reports[-1].get("config", {})
     lines = [
         f"memory per checkpoint of {run_dir} (MiB; {', '.join(f'{k}={v}' for k, v in cfg.items())})",

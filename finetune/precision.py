@@ -43,7 +43,11 @@ def accelerate_mixed_precision(mode: str) -> str:
 
 
 def check_supported(mode: str, device: torch.device) -> None:
-    """Refuse combinations Accelerate would silently ignore or the hardware cannot run."""
+    """Refuse combinations Accelerate would silently ignore or the hardware cannot run.
+
+    Raises:
+        UserError: the precision mode cannot run on `device`.
+    """
     if mode == "fp16" and device.type == "cpu":
         raise UserError(
             "precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); use bf16 or fp32"
@@ -368,7 +372,8 @@ def dtype_audit(
 def format_audit(audit: dict[str, Any], max_rows: int = 10) -> str:
     """A short log table: per dtype counts and MiB, then the contradictions."""
     lines = [
-        f"dtype audit ({audit['mode']}, fp32 norms {'on' if audit['fp32_norms'] else 'off'}, {len(audit['norm_modules'])} norm modules):"
+        f"dtype audit ({audit['mode']}, fp32 norms {'on' if audit['fp32_norms'] else 'off'}, "
+        f"{len(audit['norm_modules'])} norm modules):"
     ]
     lines.append(f"  {'kind':<7} {'dtype':<10} {'tensors':>8} {'elements':>12} {'MiB':>9}")
     for kind in ("param", "buffer"):
@@ -387,7 +392,11 @@ def format_audit(audit: dict[str, Any], max_rows: int = 10) -> str:
 
 
 def check_audit(audit: dict[str, Any], allow_mismatch: bool) -> None:
-    """In bf16-true a dtype contradiction is an error unless `precision.allow_dtype_mismatch`."""
+    """In bf16-true a dtype contradiction is an error unless `precision.allow_dtype_mismatch`.
+
+    Raises:
+        UserError: a tensor contradicts the precision policy (unless allowed).
+    """
     rows = audit["contradictions"]
     if not rows:
         return
@@ -525,7 +534,8 @@ class PrecisionMonitor:
         if self.nonfinite == "skip":
             self.nonfinite_skipped += 1
             logger.warning(
-                f"warning: non-finite values at optimizer step {step} ({what}): step skipped ({self.nonfinite_skipped} so far)"
+                f"warning: non-finite values at optimizer step {step} ({what}): step skipped "
+                f"({self.nonfinite_skipped} so far)"
             )
             return False
         where = ""
@@ -533,7 +543,8 @@ class PrecisionMonitor:
             found = self.last_checkpoint()
             where = f"; the last checkpoint {found} is intact" if found else "; no checkpoint was written yet"
         raise NonFiniteError(
-            f"training stopped: non-finite values at optimizer step {step} ({what}) in precision.mode={self.mode}{where}; "
+            f"training stopped: non-finite values at optimizer step {step} ({what}) in "
+            f"precision.mode={self.mode}{where}; "
             "lower train.learning_rate, set train.max_grad_norm, try precision.mode=fp32, or set train.nonfinite=skip"
         )
 
