@@ -31,7 +31,8 @@ demo: setup data
 	$(BIN)/finetune train --config configs/sst2-minilm.yaml run.overwrite=true
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests --durations=15
 
 clean-runs:
 	rm -rf runs

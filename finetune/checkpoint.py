@@ -598,7 +598,10 @@ def load_best_weights(accelerator: Accelerator, model: torch.nn.Module, run_dir:
     if best is None:
         logger.warning(f"warning: no checkpoint has its own evaluation of {metric}: final/ holds the last weights")
         return None
-    state = load_file(str(best / "model.safetensors"), device=str(accelerator.device))
+    # safetensors names devices as torch does except CPU: a multi-process CPU (gloo) run's device is
+    # "cpu:0", which it refuses; CPU tensors load as "cpu"
+    device = accelerator.device
+    state = load_file(str(best / "model.safetensors"), device="cpu" if device.type == "cpu" else str(device))
     for prefix in WRAPPER_PREFIXES:
         state = {k.removeprefix(prefix): v for k, v in state.items()}
     accelerator.unwrap_model(model).load_state_dict(state, strict=True)

@@ -123,13 +123,19 @@ def predict_texts(
     model: Any,
     texts: list[str],
     batch_size: int = 64,
-    max_length: int = 512,
+    max_length: int | None = None,
     pairs: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Label and per-label probabilities for each text (with its `pairs` entry, as in training), in input order."""
+    """Label and per-label probabilities for each text (with its `pairs` entry, as in training), in input order.
+
+    Texts are cut at `max_length` tokens, by default the tokenizer's `model_max_length`: a final/
+    carries the run's `data.max_length` there, so prediction truncates where training did.
+    """
     import torch
 
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    if max_length is None:  # tokenizers without a limit report a huge sentinel
+        max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
     # never past the model's position embeddings (a from-scratch model may have fewer than 512)
     max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding

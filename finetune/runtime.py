@@ -23,6 +23,7 @@ import datasets
 import torch
 import transformers
 from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.state import AcceleratorState
 
 from finetune.config import Config
 from finetune.errors import UserError
@@ -69,6 +70,10 @@ def build_accelerator(cfg: Config) -> Accelerator:
             precision mode is not supported on this device.
     """
     check_launch_dynamo(cfg)
+    # Accelerate keeps the mixed-precision state of a process's first Accelerator; a second run in
+    # the same process (a test, a notebook, a sweep trial) with another precision needs a fresh one.
+    # The process group (PartialState) is kept.
+    AcceleratorState._reset_state()
     accelerator = Accelerator(
         mixed_precision=accelerate_mixed_precision(cfg.precision.mode),
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,

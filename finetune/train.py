@@ -210,20 +210,24 @@ def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
         run.memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
 
     model.train()
-    while progress.step < total_steps and progress.epoch < num_epochs and not progress.finished:
-        loader = epoch_loader(run, progress)
-        batches = iter(loader)
-        while progress.step < total_steps and not progress.finished:
-            outcome = run_window(run, progress, batches, sums)
-            if outcome == "epoch_end":
-                progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
-                release_cached_memory(cfg.precision.empty_cache, accelerator.device)
-                break
-            if outcome == "out_of_memory":  # the same epoch, from the failed window, at half the micro-batch
-                recover_from_oom(run, progress, loader)
-                break
-            after_step(run, progress, sums)
-    return finish(run, progress, was_finished)
+    try:
+        while progress.step < total_steps and progress.epoch < num_epochs and not progress.finished:
+            loader = epoch_loader(run, progress)
+            batches = iter(loader)
+            while progress.step < total_steps and not progress.finished:
+                outcome = run_window(run, progress, batches, sums)
+                if outcome == "epoch_end":
+                    progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
+                    release_cached_memory(cfg.precision.empty_cache, accelerator.device)
+                    break
+                if outcome == "out_of_memory":  # the same epoch, from the failed window, at half the micro-batch
+                    recover_from_oom(run, progress, loader)
+                    break
+                after_step(run, progress, sums)
+        return finish(run, progress, was_finished)
+    finally:  # a run ended by an error or a signal leaves no MemTracker behind, and its error on a line of its own
+        run.memory.close()
+        run.bar.close()
 
 
 # ----------------------------------------------------------------------------------------------

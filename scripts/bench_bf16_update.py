@@ -29,10 +29,9 @@ import torch
 from torch import nn
 
 from finetune.config import load_config
-from finetune.data import Collator
+from finetune.data import Collator, build_data
 from finetune.model import build_model, build_tokenizer
 from finetune.precision import Bf16AdamW, effective_weight, fp32_cross_entropy
-from finetune.data import build_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,15 +133,19 @@ def main() -> None:
         res = run(model, grads, lr, args.steps, args.weight_decay)
         results.append(res)
         print(
-            f"\nlr {lr:g}, {res['matrix_entries']:,} matrix entries, same SST-2 gradient (batch {args.batch_size}) every step"
+            f"\nlr {lr:g}, {res['matrix_entries']:,} matrix entries, "
+            f"same SST-2 gradient (batch {args.batch_size}) every step"
         )
         print(
-            f"| variant | unchanged after 1 step (stored) | same, without word embeddings | unchanged after 1 step (effective) | update kept after {args.steps} steps | relative error after {args.steps} steps |"
+            "| variant | unchanged after 1 step (stored) | same, without word embeddings "
+            f"| unchanged after 1 step (effective) | update kept after {args.steps} steps "
+            f"| relative error after {args.steps} steps |"
         )
         print("|---|---|---|---|---|---|")
         for name, v in res["variants"].items():
             print(
-                f"| {name} | {v['unchanged_stored_1step']:.1%} | {v['unchanged_stored_1step_without_word_embeddings']:.1%} | {v['unchanged_effective_1step']:.1%} | "
+                f"| {name} | {v['unchanged_stored_1step']:.1%} "
+                f"| {v['unchanged_stored_1step_without_word_embeddings']:.1%} | {v['unchanged_effective_1step']:.1%} | "
                 f"{v[f'update_kept_{args.steps}steps']:.3f} | {v[f'relative_error_{args.steps}steps']:.3f} |"
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -281,7 +281,8 @@ def cuda_replan(recorded: Path, steps: int) -> str:
     tok = build_tokenizer(first)
     names = ["negative", "positive"]
     lines = [
-        "| rung | CUDA plan MiB (peak, no margin) | recorded CUDA max_memory_allocated MiB | plan / measured | split of the plan (MiB) |",
+        "| rung | CUDA plan MiB (peak, no margin) | recorded CUDA max_memory_allocated MiB | plan / measured "
+        "| split of the plan (MiB) |",
         "|---|---|---|---|---|",
     ]
     for name, overrides, micro, acc, _ in RUNGS:
@@ -298,7 +299,8 @@ def cuda_replan(recorded: Path, steps: int) -> str:
         )
         split = ", ".join(f"{k.replace('_', ' ')} {v / MiB:,.0f}" for k, v in pred.categories.items())
         lines.append(
-            f"| {name} | {pred.peak_bytes / MiB:,.0f} | {measured:,.0f} | {pred.peak_bytes / MiB / measured:.3f} | {split} |"
+            f"| {name} | {pred.peak_bytes / MiB:,.0f} | {measured:,.0f} "
+            f"| {pred.peak_bytes / MiB / measured:.3f} | {split} |"
         )
     return "\n".join(lines)
 
@@ -326,7 +328,8 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
         return "n/a" if v is None else format(v, spec)
 
     lines = [
-        f"| rung | predicted MiB | measured MiB (CPU, MemTracker) | predicted / measured | % of fp32 | SST-2 dev accuracy after {steps} steps (median [per seed]) |",
+        "| rung | predicted MiB | measured MiB (CPU, MemTracker) | predicted / measured | % of fp32 "
+        f"| SST-2 dev accuracy after {steps} steps (median [per seed]) |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -340,14 +343,16 @@ def markdown(results: list[dict[str, Any]], steps: int) -> str:
             delta += " [" + ", ".join(f"{100 * a:.1f}" for a in r["accuracies"]) + "]"
         lines.append(
             f"| {r['rung']} | {fmt(r['predicted_mib'])} | {fmt(r['measured_mib'])} | {fmt(ratio, '.3f')} | "
-            f"{fmt(None if r['predicted_mib'] is None else 100 * r['predicted_mib'] / fp32, '.0f')} | {fmt(None if acc is None else 100 * acc, '.1f')}{delta} |"
+            f"{fmt(None if r['predicted_mib'] is None else 100 * r['predicted_mib'] / fp32, '.0f')} "
+            f"| {fmt(None if acc is None else 100 * acc, '.1f')}{delta} |"
         )
     lines += ["", "| extra setting | predicted MiB | measured MiB | predicted / measured |", "|---|---|---|---|"]
     for r in results:
         if r["ladder"] or r.get("measured_mib") is None:
             continue
         lines.append(
-            f"| {r['rung']} | {fmt(r['predicted_mib'])} | {fmt(r['measured_mib'])} | {r['predicted_mib'] / r['measured_mib']:.3f} |"
+            f"| {r['rung']} | {fmt(r['predicted_mib'])} | {fmt(r['measured_mib'])} "
+            f"| {r['predicted_mib'] / r['measured_mib']:.3f} |"
         )
     return "\n".join(lines)
 

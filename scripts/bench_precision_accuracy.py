@@ -82,7 +82,8 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"\nSST-2 dev (first {args.eval_samples} of 872), all-MiniLM-L6-v2, {args.steps} steps x batch {args.batch_size} from "
+        f"\nSST-2 dev (first {args.eval_samples} of 872), all-MiniLM-L6-v2, "
+        f"{args.steps} steps x batch {args.batch_size} from "
         f"{args.train_samples} training rows, max_length {args.max_length}, lr {args.lr:g}, seeds {args.seeds}"
     )
     print("| mode | median dev accuracy | per seed | median dev loss | median wall s |")

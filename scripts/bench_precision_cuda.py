@@ -36,9 +36,11 @@ def one_cell(mode: str, compiled: bool, args: argparse.Namespace) -> dict[str, A
     log_every = max(1, args.steps // 10)
     cmd = [
         sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(CONFIG),
-        f"run.output_dir={run_dir}", "run.overwrite=true", f"precision.mode={mode}", f"model.compile={str(compiled).lower()}",
+        f"run.output_dir={run_dir}", "run.overwrite=true", f"precision.mode={mode}",
+        f"model.compile={str(compiled).lower()}",
         f"data.max_train_samples={args.steps * 32}", f"train.max_steps={args.steps}", "train.micro_batch_size=32",
-        "train.gradient_accumulation_steps=1", f"data.max_length={args.max_length}", f"train.log_every_steps={log_every}",
+        "train.gradient_accumulation_steps=1", f"data.max_length={args.max_length}",
+        f"train.log_every_steps={log_every}",
         "train.eval_every_steps=null", "checkpoint.every_steps=null", f"data.max_eval_samples={args.eval_samples}",
         *([f"model.name_or_path={args.model}"] if args.model else []), *args.override,
     ]  # fmt: skip
@@ -106,7 +108,8 @@ def main() -> int:
     )
     print(f"{device}, torch {torch.__version__}: {args.steps} steps x 32 SST-2 rows, max_length {args.max_length}")
     print(
-        "| mode | compile | samples/s | ms/step | first interval s (incl. compile) | peak allocated MiB | graphs | fp16 skipped steps | dev accuracy |"
+        "| mode | compile | samples/s | ms/step | first interval s (incl. compile) | peak allocated MiB | graphs "
+        "| fp16 skipped steps | dev accuracy |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for c in cells:
@@ -114,7 +117,8 @@ def main() -> int:
             print(f"| {c['mode']} | {'on' if c['compile'] else 'off'} | refused: {c['error']} | | | | | | |")
             continue
         print(
-            f"| {c['mode']} | {'on' if c['compile'] else 'off'} | {c['samples_per_s']:.0f} | {c['ms_per_step']:.1f} | {c['first_interval_s']:.1f} | "
+            f"| {c['mode']} | {'on' if c['compile'] else 'off'} | {c['samples_per_s']:.0f} | {c['ms_per_step']:.1f} "
+            f"| {c['first_interval_s']:.1f} | "
             f"{c['peak_allocated_mib']:,.0f} | {c['compile_graphs'] if c['compile_graphs'] is not None else '-'} | "
             f"{c['scaler_skipped_steps'] if c['scaler_skipped_steps'] is not None else '-'} | {c['accuracy']:.4f} |"
         )

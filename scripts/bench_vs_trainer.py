@@ -43,9 +43,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from finetune.config import Config, load_config  # noqa: E402
-from finetune.data import build_train_loader, load_raw_splits  # noqa: E402
+from finetune.data import (  # noqa: E402
+    build_data,  # noqa: E402
+    build_train_loader,
+    load_raw_splits,
+)
 from finetune.model import build_model, build_tokenizer, resolve_model_path  # noqa: E402
-from finetune.data import build_data  # noqa: E402
 from finetune.optim import build_optimizer, build_scheduler, planned_steps  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
@@ -104,7 +107,9 @@ class DevSet:
         assert raw.validation is not None
         ids = {r: raw.label_names.index(n) for r, n in raw.raw_to_name.items()}
         enc = tokenizer(list(raw.validation["text"]), truncation=True, max_length=cfg.data.max_length)
-        self.items = sorted(zip(enc["input_ids"], [ids[v] for v in raw.validation["label"]]), key=lambda x: len(x[0]))
+        self.items = sorted(
+            zip(enc["input_ids"], [ids[v] for v in raw.validation["label"]], strict=True), key=lambda x: len(x[0])
+        )
         self.pad = tokenizer.pad_token_id
 
     @torch.no_grad()
@@ -269,7 +274,9 @@ def run_trainer(
             def on_train_begin(self, *a: Any, **k: Any) -> None:
                 clock["t0"], clock["cpu0"], clock["c0"] = time.perf_counter(), time.process_time(), _curve_clock(args)()
 
-            def on_step_end(self, a: Any, state: Any, control: Any, **k: Any) -> None:
+            def on_step_end(self, a: Any, state: Any, control: Any, model: Any = None, **k: Any) -> None:
+                # `model`: the model being trained, as Trainer hands it to every callback (not a
+                # closure over run_trainer's local, which that function `del`s at its end)
                 if eval_every and dev is not None and state.global_step % eval_every == 0:
                     now = _curve_clock(args)
                     t = now()
@@ -360,7 +367,8 @@ def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
             r.pop("curve", None)
             results[name].append(r)
             print(
-                f"[repeat {rep + 1}/{args.repeats}] {name:16s} {r['samples_per_s']:7.1f} samples/s  {r['samples_per_cpu_s']:7.1f} samples/cpu-s  "
+                f"[repeat {rep + 1}/{args.repeats}] {name:16s} {r['samples_per_s']:7.1f} samples/s  "
+                f"{r['samples_per_cpu_s']:7.1f} samples/cpu-s  "
                 f"acc {r['accuracy']:.4f}  padding {r['padding_fraction']:.3f}  ({time.perf_counter() - t:.0f} s)",
                 flush=True,
             )
@@ -370,7 +378,7 @@ def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
     # ratios per repeat (side by side), then their median
     ratios = {
         f"{a}/{b}" + (" (cpu)" if k == "samples_per_cpu_s" else ""): _median(
-            [x[k] / y[k] for x, y in zip(results[a], results[b])]
+            [x[k] / y[k] for x, y in zip(results[a], results[b], strict=True)]
         )
         for k in ("samples_per_s", "samples_per_cpu_s")
         for a, b in (
@@ -383,13 +391,15 @@ def mode_throughput(args: argparse.Namespace) -> dict[str, Any]:
         )
     }
     print(
-        f"\nmedian of {args.repeats} alternating repeats; {args.rows} rows, micro-batch {args.micro}, max length {args.max_length}, "
+        f"\nmedian of {args.repeats} alternating repeats; {args.rows} rows, micro-batch {args.micro}, "
+        f"max length {args.max_length}, "
         f"fp32, lr {cfg.train.learning_rate}, seed {args.seed}, torch threads {torch.get_num_threads()}"
     )
     print(f"{'':16s} {'samples/s':>10s} {'samples/cpu-s':>14s} {'dev acc':>8s} {'padding':>8s}")
     for n, s in summary.items():
         print(
-            f"{n:16s} {s['samples_per_s']:10.1f} {s['samples_per_cpu_s']:14.1f} {s['accuracy']:8.4f} {s['padding_fraction']:8.3f}"
+            f"{n:16s} {s['samples_per_s']:10.1f} {s['samples_per_cpu_s']:14.1f} {s['accuracy']:8.4f} "
+            f"{s['padding_fraction']:8.3f}"
         )
     for k, v in ratios.items():
         print(f"ratio {k}: {v:.2f}x")
@@ -418,16 +428,19 @@ def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
             r = fn(args, args.seed, args.rows)
             (ours if name == "finetune" else minimal).append(r)
             print(
-                f"[repeat {rep + 1}/{args.repeats}] {name:9s} {r['samples_per_s']:7.1f} samples/s  {r['samples_per_cpu_s']:7.1f} samples/cpu-s",
+                f"[repeat {rep + 1}/{args.repeats}] {name:9s} {r['samples_per_s']:7.1f} samples/s  "
+                f"{r['samples_per_cpu_s']:7.1f} samples/cpu-s",
                 flush=True,
             )
             gc.collect()
     overhead = {
-        k: _median([m[k] / o[k] - 1.0 for o, m in zip(ours, minimal)]) for k in ("samples_per_s", "samples_per_cpu_s")
+        k: _median([m[k] / o[k] - 1.0 for o, m in zip(ours, minimal, strict=True)])
+        for k in ("samples_per_s", "samples_per_cpu_s")
     }
     print(
         f"\nour loop vs a minimal loop over identical batches (median of {args.repeats}): "
-        f"finetune {_median([o['samples_per_s'] for o in ours]):.1f} samples/s, minimal {_median([m['samples_per_s'] for m in minimal]):.1f}; "
+        f"finetune {_median([o['samples_per_s'] for o in ours]):.1f} samples/s, "
+        f"minimal {_median([m['samples_per_s'] for m in minimal]):.1f}; "
         f"overhead {100 * overhead['samples_per_s']:+.1f}% wall, {100 * overhead['samples_per_cpu_s']:+.1f}% cpu time"
     )
     return {"mode": "overhead", "finetune": ours, "minimal": minimal, "overhead": overhead}
@@ -456,7 +469,8 @@ def mode_target(args: argparse.Namespace) -> dict[str, Any]:
             curves[name].append(r["curve"])
             best = max((acc for _, _, acc in r["curve"]), default=float("nan"))
             print(
-                f"[seed {seed}] {name:16s} time to {args.target_acc:.2f}: {'not reached' if t is None else f'{t:.0f} s'} (best {best:.4f})",
+                f"[seed {seed}] {name:16s} time to {args.target_acc:.2f}: "
+                f"{'not reached' if t is None else f'{t:.0f} s'} (best {best:.4f})",
                 flush=True,
             )
             gc.collect()
@@ -467,7 +481,8 @@ def mode_target(args: argparse.Namespace) -> dict[str, Any]:
 
     summary = {n: med(ts) for n, ts in times.items()}
     print(
-        f"\n{args.clock} time to first reach {args.target_acc:.2f} dev accuracy (training only, evaluation every {args.eval_every} steps excluded), median over {args.seeds} seeds:"
+        f"\n{args.clock} time to first reach {args.target_acc:.2f} dev accuracy "
+        f"(training only, evaluation every {args.eval_every} steps excluded), median over {args.seeds} seeds:"
     )
     for n, v in summary.items():
         print(f"{n:16s} {v:8.0f} s")

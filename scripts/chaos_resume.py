@@ -118,7 +118,8 @@ def max_abs_diff(a: Path, b: Path) -> float:
 
 
 def main() -> int:
-    """Reference run, then the SIGKILL/resume loop; writes chaos.json; 0 when every resume worked and the weights match."""
+    """Reference run, then the SIGKILL/resume loop; writes chaos.json; 0 when every resume worked
+    and the weights match."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "sst2-minilm.yaml"))
     parser.add_argument("--kills", type=int, default=20)

@@ -47,7 +47,8 @@ def data_dir() -> Path:
     """The real data directory (env FINETUNE_DATA_DIR, default <repo>/../shared/data); skip when absent."""
     if not (DATA_DIR / "sst2" / "train.tsv").is_file():
         pytest.skip(
-            f"data directory not found: {DATA_DIR} (set FINETUNE_DATA_DIR to the folder holding sst2/, ag_news/, sms_spam/, trec/)"
+            f"data directory not found: {DATA_DIR} "
+            "(set FINETUNE_DATA_DIR to the folder holding sst2/, ag_news/, sms_spam/, trec/)"
         )
     return DATA_DIR
 

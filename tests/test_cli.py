@@ -37,7 +37,7 @@ def test_predict_txt_to_jsonl(tiny_run: Path, tmp_path: Path, capsys: pytest.Cap
     from transformers import pipeline
 
     clf = pipeline("text-classification", model=str(tiny_run / "final"), device="cpu")
-    for r, p in zip(rows, clf(TEXTS)):
+    for r, p in zip(rows, clf(TEXTS), strict=True):
         assert r["label"] == p["label"] and r["score"] == pytest.approx(p["score"], abs=1e-5)
 
 
@@ -205,7 +205,7 @@ def test_predict_texts_feeds_text_pairs(tiny_run: Path) -> None:
     pairs = ["a second sentence", "and another one", "short", "the pair of the last text , longer"]
     with_pairs = predict_texts(tok, model, TEXTS, batch_size=3, pairs=pairs)
     alone = predict_texts(tok, model, TEXTS, batch_size=3)
-    for text, pair, row, single in zip(TEXTS, pairs, with_pairs, alone):
+    for text, pair, row, single in zip(TEXTS, pairs, with_pairs, alone, strict=True):
         with torch.no_grad():
             expected = model(**tok(text, pair, return_tensors="pt")).logits.softmax(-1)[0].tolist()
         assert list(row["probabilities"].values()) == pytest.approx(expected, abs=1e-5)

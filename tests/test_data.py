@@ -203,8 +203,8 @@ def test_collator_pads_and_carries_window(data_dir: Path) -> None:
 # Local formats through the same options (no data directory needed).
 
 ROWS = [
-    {"text": t, "label": l}
-    for t, l in [("good", 1), ("bad", 0), ("great fun", 1), ("dull", 0), ("fine", 1), ("weak", 0)]
+    {"text": t, "label": label}
+    for t, label in [("good", 1), ("bad", 0), ("great fun", 1), ("dull", 0), ("fine", 1), ("weak", 0)]
 ]
 
 
@@ -272,7 +272,8 @@ def test_text_pair_column(tmp_path: Path, data_dir: Path) -> None:
 
 
 def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    """configs/sst2-hub.yaml's data section on a stand-in for `datasets.load_dataset` (hub SST-2 has ClassLabel labels)."""
+    """configs/sst2-hub.yaml's data section on a stand-in for `datasets.load_dataset`
+    (hub SST-2 has ClassLabel labels)."""
     import datasets
 
     import finetune.data as data_mod

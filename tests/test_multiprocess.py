@@ -8,14 +8,18 @@ mean, `gather_for_metrics` in evaluation and main-process-only writing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from accelerate.data_loader import BatchSamplerShard
 from safetensors.torch import load_file
 
@@ -175,3 +179,296 @@ def test_launch_config_accumulation_must_match_the_config(
     err = capsys.readouterr().err
     assert "gradient accumulation to 3" in err and "train.gradient_accumulation_steps is 2" in err
     assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact accumulation against a plain-torch full-batch reference, export=best and resume across
+# process counts. One tiny config (SGD without momentum, decay or clipping, constant learning rate)
+# makes every optimizer step w <- w - lr * (mean gradient over the window's samples), so the
+# trained weights can be computed independently: known initial weights (saved here), the epoch's
+# windows, one full-batch gradient per window.
+
+LR = 2.0  # large: the updates dwarf float rounding, so a wrong gradient scale shows plainly
+EFFECTIVE, ACCUMULATION, TRAIN_ROWS = 40, 5, 90  # windows of 40, 40, 10 samples
+SGD = {
+    "train.optimizer": "sgd",
+    "train.momentum": 0.0,
+    "train.weight_decay": 0.0,
+    "train.max_grad_norm": None,
+    "train.lr_scheduler": "constant",
+    "train.warmup_ratio": 0.0,
+    "train.learning_rate": LR,
+    "train.epochs": 1,
+    # the effective batch only: the micro-batch follows the process count (8 on one, 4 on two)
+    "train.batch_size": EFFECTIVE,
+    "train.micro_batch_size": ...,
+    "train.gradient_accumulation_steps": ACCUMULATION,
+    "train.log_every_steps": 1,
+    "data.max_train_samples": TRAIN_ROWS,
+    "data.max_eval_samples": 100,
+}
+
+
+def _launch_two(config: Path, overrides: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes 2` of finetune/train.py on CPU (gloo)."""
+    env = {
+        **os.environ,
+        "ACCELERATE_USE_CPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "FINETUNE_DATA_DIR": str(DATA_DIR),
+        **(env_extra or {}),
+    }
+    env.pop("FINETUNE_TEST_ONLY_FAULTS", None)
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(_free_port()),
+        str(ROOT / "finetune" / "train.py"), "--config", str(config), *overrides,
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors with DDP's / compile's wrapper prefixes removed."""
+    out = {}
+    for k, v in load_file(path).items():
+        for prefix in ("module.", "_orig_mod."):
+            k = k.removeprefix(prefix)
+        out[k] = v
+    return out
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@dataclasses.dataclass
+class SgdSetup:
+    config: Path  # model.name_or_path = the saved initial weights
+    init: dict[str, torch.Tensor]
+    steps: list[dict[str, torch.Tensor]]  # reference weights after optimizer step 1, 2, 3
+    windows: list[int]  # samples per window
+    reference: Callable[[Callable[[int], float]], list[dict[str, torch.Tensor]]]  # with a gradient scale per window size
+
+    def tolerance(self) -> float:
+        """Allowed max abs difference: 1e-4 of the largest total update (float rounding is ~1e-6 of it)."""
+        return 1e-4 * _max_diff(self.steps[-1], self.init)
+
+
+def _reference_steps(
+    init_dir: Path, train: Any, seed: int, group_by_length: bool, P: int, scale: Callable[[int], float]
+) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    """Plain torch: the epoch's windows (as the training sampler forms them for P processes), one
+    full-batch mean cross-entropy per window (times `scale(window size)`), w <- w - LR * grad."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(init_dir), dtype=torch.float32)
+    model.train()  # dropout is 0 in tiny-debug
+    micro = EFFECTIVE // ACCUMULATION // P
+    sampler = WindowedBatchSampler(
+        train["length"][:], batch_size=micro * P, accumulation=ACCUMULATION, seed=seed,
+        group_by_length=group_by_length, pad_to_multiple=P,
+    )  # fmt: skip
+    sampler.set_epoch(0)
+    batches = list(sampler)
+    pad_id = model.config.pad_token_id or 0
+    steps, sizes = [], []
+    for w in range(0, len(batches), ACCUMULATION):
+        idx = [i for b in batches[w : w + ACCUMULATION] for (i, _, weight) in b if weight == 1.0]
+        rows = [train[i] for i in idx]
+        L = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+        types = torch.zeros((len(rows), L), dtype=torch.long)
+        mask = torch.zeros((len(rows), L), dtype=torch.long)
+        for j, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[j, :n], types[j, :n], mask[j, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["token_type_ids"]), 1
+        labels = torch.tensor([r["labels"] for r in rows])
+        logits = model(input_ids=ids, token_type_ids=types, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels) * scale(len(rows))
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= LR * p.grad
+        steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        sizes.append(len(rows))
+    return steps, sizes
+
+
+@pytest.fixture(scope="module")
+def sgd_setup(tmp_path_factory: pytest.TempPathFactory) -> SgdSetup:
+    """Initial weights saved to disk, a config starting from them, and the plain-torch reference."""
+    if not (DATA_DIR / "sst2" / "train.tsv").is_file():
+        pytest.skip(f"SST-2 not found under {DATA_DIR}")
+    from conftest import write_tiny_config
+
+    from finetune.config import load_config
+    from finetune.data import build_data
+    from finetune.model import build_model, build_tokenizer
+
+    d = tmp_path_factory.mktemp("sgd")
+    scratch = load_config(write_tiny_config(d, SGD, name="scratch.yaml"))
+    tokenizer = build_tokenizer(scratch)
+    torch.manual_seed(1234)
+    model = build_model(scratch, ["negative", "positive"], tokenizer)
+    init_dir = d / "init"
+    model.save_pretrained(init_dir)
+    tokenizer.save_pretrained(init_dir)
+    config = write_tiny_config(
+        d, {**SGD, "model.name_or_path": str(init_dir), "model.architecture": None, "model.tokenizer": None}
+    )
+    cfg = load_config(config)
+    data = build_data(cfg, build_tokenizer(cfg))  # tokenized as the runs tokenize (tokenizer from init_dir)
+    assert len(data.train) == TRAIN_ROWS
+
+    def reference(scale: Callable[[int], float] = lambda n: 1.0) -> list[dict[str, torch.Tensor]]:
+        return _reference_steps(init_dir, data.train, cfg.run.seed, cfg.data.group_by_length, 2, scale)[0]
+
+    steps, sizes = _reference_steps(init_dir, data.train, cfg.run.seed, cfg.data.group_by_length, 2, lambda n: 1.0)
+    assert sizes == [40, 40, 10]
+    # one process forms the same windows (what resuming across process counts relies on)
+    assert _max_diff(_reference_steps(init_dir, data.train, cfg.run.seed, cfg.data.group_by_length, 1,
+                                      lambda n: 1.0)[0][-1], steps[-1]) <= 1e-6  # fmt: skip
+    init = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return SgdSetup(config, init, steps, sizes, reference)
+
+
+@pytest.fixture(scope="module")
+def sgd_two_process_run(sgd_setup: SgdSetup, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The 2-process SGD run with a checkpoint and an evaluation every step and export=best."""
+    run = tmp_path_factory.mktemp("sgd_two") / "run"
+    proc = _launch_two(
+        sgd_setup.config,
+        [f"run.output_dir={run}", "checkpoint.every_steps=1", "checkpoint.export=best", "train.eval_every_steps=1"],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run, proc.stderr
+
+
+@needs_data
+def test_two_process_accumulation_equals_full_batch_gradient(
+    sgd_setup: SgdSetup, sgd_two_process_run: tuple[Path, str]
+) -> None:
+    """Every optimizer step of a 2-process run equals plain SGD on the window's full-batch mean
+    gradient, the short tail window (10 samples, weight-0 fill on the second process) included."""
+    run, log = sgd_two_process_run
+    assert "2 process(es) x micro-batch 4 x accumulation 5 = effective batch 40" in log
+    tol = sgd_setup.tolerance()
+    ref = sgd_setup.steps
+    # checkpoints that survived rotation (keep_last 2 and the best), the last one included
+    ckpts = {int(p.name.removeprefix("step_")): p for p in (run / "checkpoints").glob("step_*")}
+    assert 3 in ckpts and 2 in ckpts
+    for step, path in ckpts.items():
+        diff = _max_diff(_weights(path / "model.safetensors"), ref[step - 1])
+        assert diff <= tol, f"step {step}: max abs weight difference {diff} > {tol}"
+    # training moved the weights by far more than the tolerance
+    assert _max_diff(ref[-1], sgd_setup.init) > 1e4 * tol
+
+    # the tolerance catches a wrong gradient scale: a missing or doubled factor of the process
+    # count, a missing factor of the accumulation count, or the naive per-micro-batch mean (which
+    # divides the short window's 10 samples by the nominal 40)
+    wrong = {
+        "x1/2 (missing process factor)": lambda n: 0.5,
+        "x2 (doubled process factor)": lambda n: 2.0,
+        "x1/5 (missing accumulation factor)": lambda n: 1 / ACCUMULATION,
+        "naive per-micro-batch mean": lambda n: n / EFFECTIVE,
+    }
+    last = _weights(ckpts[3] / "model.safetensors")
+    for name, scale in wrong.items():
+        diff = _max_diff(last, sgd_setup.reference(scale)[-1])
+        assert diff > 100 * tol, f"a {name} gradient would pass unnoticed ({diff} vs tolerance {tol})"
+
+
+@needs_data
+def test_export_best_under_ddp(sgd_setup: SgdSetup, sgd_two_process_run: tuple[Path, str]) -> None:
+    """checkpoint.export=best with 2 processes: checkpoint keys carry DDP's `module.` prefix; final/
+    holds the best checkpoint's weights and eval.json names its step."""
+    run, log = sgd_two_process_run
+    from finetune import checkpoint as ckpt
+
+    best = ckpt.best_checkpoint(run, "accuracy")
+    assert best is not None
+    best_step = ckpt.read_progress(best).step
+    raw_keys = load_file(best / "model.safetensors").keys()
+    assert all(k.startswith("module.") for k in raw_keys)  # what export=best must cope with
+    final = _weights(run / "final" / "model.safetensors")
+    assert _max_diff(final, _weights(best / "model.safetensors")) == 0.0
+    assert _max_diff(final, sgd_setup.steps[best_step - 1]) <= sgd_setup.tolerance()
+    # this run's best is not its last step, so final/ differs from the last weights
+    assert best_step < 3, f"the learning rate no longer makes an earlier step best (best: step {best_step})"
+    assert _max_diff(final, sgd_setup.steps[-1]) > 100 * sgd_setup.tolerance()
+    j = json.loads((run / "eval.json").read_text())
+    assert j["exported"] == "best" and j["step"] == best_step
+    assert f"final/ holds the best checkpoint by accuracy: {best.name}" in log
+    # eval.json describes final/'s weights: the best checkpoint's own evaluation
+    own = json.loads((best / "eval.json").read_text())
+    assert j["accuracy"] == own["accuracy"] and j["loss"] == pytest.approx(own["loss"], abs=1e-6)
+
+
+@needs_data
+def test_resume_one_process_checkpoint_on_two_processes(
+    sgd_setup: SgdSetup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """train.batch_size fixes the effective batch: a 1-process run (micro-batch 8) stopped by SIGTERM
+    after step 1 resumes on 2 processes (micro-batch 4) and ends where the reference ends."""
+    from finetune import faults
+    from finetune.train import main
+
+    run = tmp_path / "run"
+    overrides = [f"run.output_dir={run}", "checkpoint.every_steps=1"]
+    monkeypatch.setenv("FINETUNE_DATA_DIR", str(DATA_DIR))
+    monkeypatch.setenv(faults.ENV, "sigterm_at_step:1")
+    assert main(["--config", str(sgd_setup.config), *overrides]) == 143
+    monkeypatch.delenv(faults.ENV)
+    assert "1 process(es) x micro-batch 8 x accumulation 5 = effective batch 40" in capfd.readouterr().err
+    first = run / "checkpoints" / "step_00000001"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [first.name]
+    assert _max_diff(_weights(first / "model.safetensors"), sgd_setup.steps[0]) <= sgd_setup.tolerance()
+
+    proc = _launch_two(sgd_setup.config, [*overrides, "checkpoint.resume=auto"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {first} at step 1" in proc.stderr
+    assert "resuming a run of 1 process(es) x micro-batch 8 x accumulation 5 with 2 process(es) x micro-batch 4" in proc.stderr
+    diff = _max_diff(_weights(run / "final" / "model.safetensors"), sgd_setup.steps[-1])
+    assert diff <= sgd_setup.tolerance(), f"max abs weight difference {diff}"
+    assert json.loads((run / "eval.json").read_text())["step"] == 3
+
+
+def test_adapt_to_launch() -> None:
+    """Resuming under another launch: the effective batch must stay; the split follows the launch."""
+    from finetune.checkpoint import TrainingProgress, adapt_to_launch
+    from finetune.errors import UserError
+
+    where = Path("run/checkpoints/step_00000002")
+
+    # another effective batch: refused, naming both layouts' process counts
+    p = TrainingProgress(step=2, batches_in_epoch=10, micro_batch_size=8, gradient_accumulation_steps=5, num_processes=1)
+    with pytest.raises(UserError) as info:
+        adapt_to_launch(p, 8, 5, 2, where)
+    msg = str(info.value)
+    assert "1 process(es) x micro-batch 8 x accumulation 5 = effective batch 40" in msg
+    assert "2 process(es) x micro-batch 8 x accumulation 5 = 80" in msg
+    assert str(where) in msg
+    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (8, 5, 1, 10)
+
+    # the same effective batch split otherwise: batches_in_epoch converted through the windows done
+    p = TrainingProgress(step=2, batches_in_epoch=10, micro_batch_size=4, gradient_accumulation_steps=5, num_processes=2)
+    adapt_to_launch(p, 4, 10, 1, where)  # 2 x 4 x 5 -> 1 x 4 x 10: two windows of 5 global batches -> of 10
+    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (4, 10, 1, 20)
+    p = TrainingProgress(step=3, batches_in_epoch=3, micro_batch_size=32, gradient_accumulation_steps=1, num_processes=1)
+    adapt_to_launch(p, 4, 2, 4, where)  # 1 x 32 x 1 -> 4 x 4 x 2: three windows of 1 batch -> of 2
+    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (4, 2, 4, 6)
+    assert p.effective_batch == 32
+
+    # the same process count: the checkpoint's micro-batch stays (an out-of-memory retry halved it)
+    p = TrainingProgress(step=2, batches_in_epoch=20, micro_batch_size=2, gradient_accumulation_steps=10, num_processes=2)
+    adapt_to_launch(p, 4, 5, 2, where)
+    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (2, 10, 2, 20)
+    # a checkpoint that did not record its process count counts as this launch's
+    p = TrainingProgress(step=2, batches_in_epoch=20, micro_batch_size=2, gradient_accumulation_steps=10)
+    adapt_to_launch(p, 4, 5, 2, where)
+    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (2, 10, 2, 20)

@@ -28,12 +28,12 @@ def test_pack_rows_places_every_sequence_once_within_capacity() -> None:
         capacity, place = pack_rows(lengths, 64, rng.choice([0.0, 1e-3, 0.05]))
         assert max(lengths) <= capacity <= max(64, max(lengths))
         used: dict[int, list[tuple[int, int]]] = {}
-        for n, (row, offset) in zip(lengths, place):
+        for n, (row, offset) in zip(lengths, place, strict=True):
             assert 0 <= offset and offset + n <= capacity
             used.setdefault(row, []).append((offset, offset + n))
         for spans in used.values():  # no two sequences overlap in a row
             spans.sort()
-            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
         assert sorted(used) == list(range(len(used)))  # no empty rows
 
 

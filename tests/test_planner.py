@@ -14,8 +14,8 @@ import safetensors.torch as st
 import torch
 from conftest import TINY
 
-from finetune.config import load_config
 from finetune import faults
+from finetune.config import load_config
 from finetune.errors import UserError
 from finetune.optim import micro_batch_ladder, resolve_batch, smaller_micro_batch
 from finetune.planner import (

@@ -341,7 +341,7 @@ def test_bf16_adamw_state_survives_accelerate_checkpoint(tmp_path: Path) -> None
     fresh, opt2 = acc2.prepare(fresh, opt2)
     acc2.load_state(str(tmp_path / "ck"))
     assert_bf16_true_dtypes(fresh)
-    for (n, a), b in zip(model.named_parameters(), fresh.parameters()):
+    for (n, a), b in zip(model.named_parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b), n
     state = opt2.state[fresh.classifier.weight]
     assert state["exp_avg"].dtype == state["kahan_comp"].dtype == torch.bfloat16

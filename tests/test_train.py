@@ -87,7 +87,7 @@ def _window_gradients(
     assert model is not None
     model.train()
     out = []
-    for window, p0 in zip(windows, params):
+    for window, p0 in zip(windows, params, strict=True):
         model.load_state_dict(p0, strict=False)
         model.zero_grad(set_to_none=True)
         micro_losses = []
@@ -125,12 +125,12 @@ def test_accumulated_gradient_equals_full_batch_gradient_on_ragged_windows(
 
     # full-batch gradient of each window: the mean loss over all of the window's samples
     full = _window_gradients(spy, windows, params, lambda ls: torch.cat(ls).mean())
-    errors = [_rel_err(g, f) for g, f in zip(loop_grads, full)]
+    errors = [_rel_err(g, f) for g, f in zip(loop_grads, full, strict=True)]
     assert max(errors) <= 1e-5, errors
 
     # the test can tell: the usual per-micro-batch mean divided by the accumulation count (what
     # `loss.mean()` + Accelerate's division gives) is right for the [4, 4] window and wrong for [2]
-    naive = _window_gradients(spy, windows, params, lambda ls: sum(l.mean() for l in ls) / 2)
+    naive = _window_gradients(spy, windows, params, lambda ls: sum(micro_loss.mean() for micro_loss in ls) / 2)
     assert _rel_err(naive[0], full[0]) <= 1e-5
     assert _rel_err(naive[1], full[1]) > 0.4
 
