@@ -42,15 +42,23 @@ def one_thread() -> Any:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def data_dir() -> Path:
-    """The real data directory (env FINETUNE_DATA_DIR, default <repo>/../shared/data); skip when absent."""
+def require_data() -> Path:
+    """The real data directory; a missing one skips locally and fails under CI=true (never a silent skip there)."""
     if not (DATA_DIR / "sst2" / "train.tsv").is_file():
-        pytest.skip(
+        message = (
             f"data directory not found: {DATA_DIR} "
             "(set FINETUNE_DATA_DIR to the folder holding sst2/, ag_news/, sms_spam/, trec/)"
         )
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true: {message}", pytrace=False)
+        pytest.skip(message)
     return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The real data directory (env FINETUNE_DATA_DIR, default <repo>/../shared/data): `require_data`."""
+    return require_data()
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
