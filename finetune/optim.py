@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-from transformers import get_scheduler
-from transformers.optimization import Adafactor
 
 from finetune.config import Config
 from finetune.errors import UserError
@@ -44,6 +44,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
     if t.optimizer == "adafactor":
         # factored second moment, no first moment (beta1=None): state ~ rows + columns per matrix;
         # a fixed learning rate (no relative step / parameter scaling) so the scheduler drives it
+        from transformers.optimization import Adafactor  # imports peft: only when chosen (start-up time)
+
         return Adafactor(groups, lr=t.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
     if t.optimizer == "adamw8bit":
         return build_adamw8bit(cfg, groups)
@@ -127,13 +129,28 @@ def planned_steps(cfg: Config, windows_per_epoch: int) -> tuple[int, int]:
     return total, math.ceil(total / windows_per_epoch)
 
 
-def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+def lr_factor(step: int, *, warmup: int, total: int, shape: str) -> float:
+    """The learning-rate multiplier at optimizer step `step`: linear warmup, then `shape` decay.
+
+    The formulas of transformers' `get_scheduler` (linear, cosine with half a cycle,
+    constant_with_warmup), on torch's LambdaLR: `transformers.optimization` imports peft whenever it
+    is installed, which a run without LoRA should not pay for at start-up.
+    """
+    if step < warmup:
+        return step / max(1, warmup)
+    if shape == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if shape == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return max(0.0, 1.0 - progress)
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> LambdaLR:
     """Warmup then linear/cosine/constant decay, counted in optimizer steps."""
-    warmup = (
-        cfg.train.warmup_steps if cfg.train.warmup_steps is not None else round(cfg.train.warmup_ratio * total_steps)
-    )
-    name = "constant_with_warmup" if cfg.train.lr_scheduler == "constant" else cfg.train.lr_scheduler
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    t = cfg.train
+    warmup = t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * total_steps)
+    return LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=total_steps, shape=t.lr_scheduler))
 
 
 
