@@ -227,8 +227,10 @@ def test_exact_resume_with_dropout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     # tiny-debug has dropout 0: a broken RNG restore would pass every other resume test
-    dropout = {"model.architecture.hidden_dropout_prob": 0.2, "model.architecture.attention_probs_dropout_prob": 0.2,
-               "train.max_steps": 6, "train.epochs": 3, "checkpoint.every_steps": 2, "data.max_eval_samples": 8}  # fmt: skip
+    dropout = {
+        "model.architecture.hidden_dropout_prob": 0.2, "model.architecture.attention_probs_dropout_prob": 0.2,
+        "train.max_steps": 6, "train.epochs": 3, "checkpoint.every_steps": 2, "data.max_eval_samples": 8,
+    }  # fmt: skip
     reference = _cfg(tmp_path / "reference", dropout)
     assert train_mod.main(["--config", str(reference)]) == 0
     stopped = _cfg(tmp_path / "stopped", dropout)

@@ -143,7 +143,7 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
     # evaluation: every eval row and eval.json agree (no sample counted twice)
     e1, e2 = _eval_rows(one), _eval_rows(two)
     assert len(e1) == len(e2) == 3
-    for a, b in zip(e1, e2):
+    for a, b in zip(e1, e2, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
     # training moved the model (two runs that do nothing would also agree)
     assert e1[0]["eval_loss"] != pytest.approx(e1[-1]["eval_loss"], abs=1e-4)
@@ -238,7 +238,8 @@ class SgdSetup:
     init: dict[str, torch.Tensor]
     steps: list[dict[str, torch.Tensor]]  # reference weights after optimizer step 1, 2, 3
     windows: list[int]  # samples per window
-    reference: Callable[[Callable[[int], float]], list[dict[str, torch.Tensor]]]  # with a gradient scale per window size
+    # reference(scale): the reference steps with each window's gradient times scale(window size)
+    reference: Callable[[Callable[[int], float]], list[dict[str, torch.Tensor]]]
 
     def tolerance(self) -> float:
         """Allowed max abs difference: 1e-4 of the largest total update (float rounding measured ~1e-7 of it)."""
@@ -419,7 +420,8 @@ def test_resume_one_process_checkpoint_on_two_processes(
     proc = _launch_two(sgd_setup.config, [*overrides, "checkpoint.resume=auto"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {first} at step 1" in proc.stderr
-    assert "resuming a run of 1 process(es) x micro-batch 8 x accumulation 5 with 2 process(es) x micro-batch 4" in proc.stderr
+    converted = "resuming a run of 1 process(es) x micro-batch 8 x accumulation 5 with 2 process(es) x micro-batch 4"
+    assert converted in proc.stderr
     diff = _max_diff(_weights(run / "final" / "model.safetensors"), sgd_setup.steps[-1])
     assert diff <= sgd_setup.tolerance(), f"max abs weight difference {diff}"
     assert json.loads((run / "eval.json").read_text())["step"] == 3
@@ -432,30 +434,37 @@ def test_adapt_to_launch() -> None:
 
     where = Path("run/checkpoints/step_00000002")
 
-    # another effective batch: refused, naming both layouts' process counts
-    p = TrainingProgress(step=2, batches_in_epoch=10, micro_batch_size=8, gradient_accumulation_steps=5, num_processes=1)
+    def saved(batches: int, micro: int, G: int, P: int | None) -> TrainingProgress:
+        return TrainingProgress(
+            step=2, batches_in_epoch=batches, micro_batch_size=micro, gradient_accumulation_steps=G, num_processes=P
+        )
+
+    def layout(p: TrainingProgress) -> tuple[int, int, int | None, int]:
+        return p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch
+
+    # another effective batch: refused, naming both layouts' process counts; progress untouched
+    p = saved(10, 8, 5, 1)
     with pytest.raises(UserError) as info:
         adapt_to_launch(p, 8, 5, 2, where)
     msg = str(info.value)
     assert "1 process(es) x micro-batch 8 x accumulation 5 = effective batch 40" in msg
     assert "2 process(es) x micro-batch 8 x accumulation 5 = 80" in msg
     assert str(where) in msg
-    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (8, 5, 1, 10)
+    assert layout(p) == (8, 5, 1, 10)
 
     # the same effective batch split otherwise: batches_in_epoch converted through the windows done
-    p = TrainingProgress(step=2, batches_in_epoch=10, micro_batch_size=4, gradient_accumulation_steps=5, num_processes=2)
+    p = saved(10, 4, 5, 2)
     adapt_to_launch(p, 4, 10, 1, where)  # 2 x 4 x 5 -> 1 x 4 x 10: two windows of 5 global batches -> of 10
-    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (4, 10, 1, 20)
-    p = TrainingProgress(step=3, batches_in_epoch=3, micro_batch_size=32, gradient_accumulation_steps=1, num_processes=1)
+    assert layout(p) == (4, 10, 1, 20)
+    p = saved(3, 32, 1, 1)
     adapt_to_launch(p, 4, 2, 4, where)  # 1 x 32 x 1 -> 4 x 4 x 2: three windows of 1 batch -> of 2
-    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (4, 2, 4, 6)
-    assert p.effective_batch == 32
+    assert layout(p) == (4, 2, 4, 6) and p.effective_batch == 32
 
     # the same process count: the checkpoint's micro-batch stays (an out-of-memory retry halved it)
-    p = TrainingProgress(step=2, batches_in_epoch=20, micro_batch_size=2, gradient_accumulation_steps=10, num_processes=2)
+    p = saved(20, 2, 10, 2)
     adapt_to_launch(p, 4, 5, 2, where)
-    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (2, 10, 2, 20)
+    assert layout(p) == (2, 10, 2, 20)
     # a checkpoint that did not record its process count counts as this launch's
-    p = TrainingProgress(step=2, batches_in_epoch=20, micro_batch_size=2, gradient_accumulation_steps=10)
+    p = saved(20, 2, 10, None)
     adapt_to_launch(p, 4, 5, 2, where)
-    assert (p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch) == (2, 10, 2, 20)
+    assert layout(p) == (2, 10, 2, 20)

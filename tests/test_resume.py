@@ -1,4 +1,4 @@
-"""Exact resume: runs stopped by SIGTERM (at chosen points, through FINETUNE_FAULT), by a crash
+"""Exact resume: runs stopped by SIGTERM (at chosen points, through FINETUNE_TEST_ONLY_FAULTS), by a crash
 inside a checkpoint write, or left with a truncated checkpoint, resumed with checkpoint.resume=auto,
 end with the same weights and the same logged losses as an uninterrupted run. Also: refused and
 accepted config changes, and a SIGTERM sent to the `accelerate launch` process alone.
