@@ -630,7 +630,14 @@ def trim_metrics(metrics_file: Path, step: int) -> None:
 # The run directory and final/.
 
 
-def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any, out: Path, max_length: int) -> None:
+def export_final(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    out: Path,
+    max_length: int,
+    label_thresholds: dict[str, float] | None = None,
+) -> None:
     """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline).
 
     The tokenizer carries the run's `data.max_length` as `model_max_length` (right truncation, as
@@ -667,7 +674,9 @@ def export_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: An
         config_json = json.loads(config_file.read_text())
         if config_json.get("dtype") not in (None, "float32"):
             config_json["dtype"] = "float32"
-            config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        if label_thresholds is not None:  # multi-label decisions: `finetune predict` / `evaluate` read them
+            config_json["label_thresholds"] = label_thresholds
+        config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         remove_tree(out)
         tmp.rename(out)
     accelerator.wait_for_everyone()

@@ -83,39 +83,78 @@ def _load_classifier(model_dir: str) -> tuple[Any, Any]:
     return AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
 
 
-def _read_texts(path: Path, text_column: str) -> list[str]:
-    """Texts from .txt (one per line), .csv/.tsv (a header with `text_column`) or .jsonl/.json."""
+def _records(path: Path) -> list[Any]:
+    """Rows of a .csv/.tsv (dicts), .jsonl/.json (dicts or strings) or .txt (strings) input."""
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        with path.open(newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
+    if suffix == ".jsonl":
+        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    if suffix == ".json":
+        records = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(records, list):  # a .json object would give its keys as texts
+            raise UserError(f"--input {path}: a .json input must be a list of texts or of records")
+        return records
+    return [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def _read_texts(path: Path, text_column: str, pair_column: str | None = None) -> tuple[list[str], list[str] | None]:
+    """Texts (and second texts of pairs) from .txt (one per line), .csv/.tsv (a header with
+    `text_column`) or .jsonl/.json. Pairs come from `pair_column`, else from a `text_pair` column
+    or key when the input has one."""
     if not path.is_file():
         raise UserError(f"--input {path} does not exist")
-    suffix = path.suffix.lower()
     try:
-        if suffix in (".csv", ".tsv"):
-            with path.open(newline="", encoding="utf-8") as f:
-                rows = list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
-            if rows and text_column not in rows[0]:
-                raise UserError(
-                    f"--input {path} has no column {text_column!r} (--text-column); columns: {list(rows[0])}"
-                )
-            texts = [r[text_column] for r in rows]
-        elif suffix in (".jsonl", ".json"):
-            lines = path.read_text(encoding="utf-8").splitlines()
-            records = (
-                [json.loads(x) for x in lines if x.strip()]
-                if suffix == ".jsonl"
-                else json.loads(path.read_text(encoding="utf-8"))
-            )
-            if not isinstance(records, list):  # a .json object would give its keys as texts
-                raise UserError(
-                    f"--input {path}: a .json input must be a list of texts or of records with {text_column!r}"
-                )
-            texts = [r[text_column] if isinstance(r, dict) else str(r) for r in records]
-        else:
-            texts = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError) as exc:
+        records = _records(path)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read --input {path}: {type(exc).__name__}: {exc}") from None
-    if not texts:
+    if not records:
         raise UserError(f"--input {path} has no texts")
-    return texts
+    if not isinstance(records[0], dict):
+        if pair_column is not None:
+            raise UserError(f"--pair-column {pair_column!r}: --input {path} has no columns (one text per row)")
+        return [str(r) for r in records], None
+    columns = list(records[0])
+    pair_column = pair_column or ("text_pair" if "text_pair" in columns else None)
+    for flag, col in (("--text-column", text_column), ("--pair-column", pair_column)):
+        if col is not None and any(not isinstance(r, dict) or col not in r for r in records):
+            raise UserError(f"--input {path} has no column {col!r} ({flag}) in every row; columns: {columns}")
+    texts = [str(r[text_column]) for r in records]
+    return texts, [str(r[pair_column]) for r in records] if pair_column else None
+
+
+def model_logits(
+    tokenizer: Any,
+    model: Any,
+    texts: list[str],
+    pairs: list[str] | None = None,
+    batch_size: int = 64,
+    max_length: int | None = None,
+) -> Any:
+    """The model's fp32 logits for each text (with its `pairs` entry), in input order (a numpy array).
+
+    Texts are cut at `max_length` tokens, by default the tokenizer's `model_max_length`: a final/
+    carries the run's `data.max_length` there, so prediction truncates where training did.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    if max_length is None:  # tokenizers without a limit report a huge sentinel
+        max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
+    # never past the model's position embeddings (a from-scratch model may have fewer than 512)
+    max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding
+    out = torch.zeros(len(texts), model.config.num_labels)
+    starts = range(0, len(order), batch_size)
+    with torch.no_grad():
+        for s in tqdm(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
+            idx = order[s : s + batch_size]
+            second = [pairs[i] for i in idx] if pairs is not None else None
+            enc = tokenizer([texts[i] for i in idx], second, padding=True, truncation=True, max_length=max_length,
+                            return_tensors="pt")  # fmt: skip
+            out[idx] = model(**enc).logits.float()
+    return out.numpy()
 
 
 def predict_texts(
@@ -126,46 +165,48 @@ def predict_texts(
     max_length: int | None = None,
     pairs: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Label and per-label probabilities for each text (with its `pairs` entry, as in training), in input order.
+    """One prediction per text, in input order, as the model's problem type reads its logits:
+    single-label: `label`, `score` and softmax `probabilities`; multi-label: `labels` (the labels at or
+    above their thresholds from final/config.json's `label_thresholds`, else 0.5) and sigmoid
+    `probabilities`; regression: `score`."""
+    import numpy as np
 
-    Texts are cut at `max_length` tokens, by default the tokenizer's `model_max_length`: a final/
-    carries the run's `data.max_length` there, so prediction truncates where training did.
-    """
-    import torch
-
+    logits = model_logits(tokenizer, model, texts, pairs, batch_size, max_length)
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    if max_length is None:  # tokenizers without a limit report a huge sentinel
-        max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
-    # never past the model's position embeddings (a from-scratch model may have fewer than 512)
-    max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding
-    out: list[dict[str, Any] | None] = [None] * len(texts)
-    from tqdm.auto import tqdm
+    kind = getattr(model.config, "problem_type", None) or "single_label_classification"
+    out = []
+    for i, row in enumerate(logits):
+        p: dict[str, Any] = {"text": texts[i], **({"text_pair": pairs[i]} if pairs is not None else {})}
+        if kind == "regression":
+            p["score"] = float(row[0])
+        elif kind == "multi_label_classification":
+            probs = 1.0 / (1.0 + np.exp(-row.astype(np.float64)))
+            thresholds = getattr(model.config, "label_thresholds", None) or {}
+            p["labels"] = [n for n, q in zip(names, probs, strict=True) if q >= thresholds.get(n, 0.5)]
+            p["probabilities"] = {n: float(q) for n, q in zip(names, probs, strict=True)}
+        else:
+            probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+            best = int(probs.argmax())
+            p.update(label=names[best], score=float(probs[best]),
+                     probabilities={n: float(q) for n, q in zip(names, probs, strict=True)})  # fmt: skip
+        out.append(p)
+    return out
 
-    starts = range(0, len(order), batch_size)
-    with torch.no_grad():
-        for s in tqdm(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
-            idx = order[s : s + batch_size]
-            second = [pairs[i] for i in idx] if pairs is not None else None
-            enc = tokenizer(
-                [texts[i] for i in idx],
-                second,
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
-            )
-            probs = model(**enc).logits.float().softmax(-1)
-            for row, i in enumerate(idx):
-                p = probs[row].tolist()
-                best = max(range(len(p)), key=p.__getitem__)
-                out[i] = {
-                    "text": texts[i],
-                    "label": names[best],
-                    "score": p[best],
-                    "probabilities": dict(zip(names, p, strict=True)),
-                }
-    return [o for o in out if o is not None]
+
+def _write_predictions(out: Path, preds: list[dict[str, Any]]) -> None:
+    """.jsonl: one object per text; .csv: text (pair), label / labels (joined by |) / score, prob_<label>."""
+    if out.suffix.lower() == ".jsonl":
+        out.write_text("".join(json.dumps(p) + "\n" for p in preds))
+        return
+    first = preds[0]
+    head = [k for k in ("text", "text_pair", "label", "labels", "score") if k in first]
+    names = list(first.get("probabilities", {}))
+    with out.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*head, *[f"prob_{n}" for n in names]])
+        for p in preds:
+            cells = ["|".join(p[k]) if k == "labels" else (f"{p[k]:.6f}" if k == "score" else p[k]) for k in head]
+            w.writerow([*cells, *[f"{p['probabilities'][n]:.6f}" for n in names]])
 
 
 def _cmd_predict(argv: list[str]) -> int:
@@ -174,6 +215,8 @@ def _cmd_predict(argv: list[str]) -> int:
     parser.add_argument("--input", required=True, help=".txt (one text per line), .csv/.tsv with a header, or .jsonl")
     parser.add_argument("--output", required=True, help=".jsonl or .csv")
     parser.add_argument("--text-column", default="text")
+    parser.add_argument("--pair-column", default=None,
+                        help="second text of each pair (default: a text_pair column/key when the input has one)")
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
     if args.batch_size < 1:
@@ -181,21 +224,12 @@ def _cmd_predict(argv: list[str]) -> int:
     out = Path(args.output)
     if out.suffix.lower() not in (".jsonl", ".csv"):
         raise UserError(f"--output {out} must end in .jsonl or .csv")
-    texts = _read_texts(Path(args.input), args.text_column)  # input problems first, before the model loads
+    # input problems first, before the model loads
+    texts, pairs = _read_texts(Path(args.input), args.text_column, args.pair_column)
     tokenizer, model = _load_classifier(args.model)
-    preds = predict_texts(tokenizer, model, texts, args.batch_size)
+    preds = predict_texts(tokenizer, model, texts, args.batch_size, pairs=pairs)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix.lower() == ".jsonl":
-        out.write_text("".join(json.dumps(p) + "\n" for p in preds))
-    else:
-        names = list(preds[0]["probabilities"])
-        with out.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["text", "label", "score", *[f"prob_{n}" for n in names]])
-            for p in preds:
-                w.writerow(
-                    [p["text"], p["label"], f"{p['score']:.6f}", *[f"{p['probabilities'][n]:.6f}" for n in names]]
-                )
+    _write_predictions(out, preds)
     print(f"wrote {len(preds)} predictions to {out}", file=sys.stderr)
     return 0
 
@@ -208,25 +242,31 @@ def _cmd_evaluate(argv: list[str]) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    import numpy as np
+
     from finetune.config import load_config
     from finetune.data import load_raw_splits
-    from finetune.metrics import classification_metrics
+    from finetune.metrics import compute_metrics
 
     cfg = load_config(args.config, args.overrides)
     tokenizer, model = _load_classifier(args.model)
     raw = load_raw_splits(cfg)
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    if set(names) != set(raw.label_names):
+    if names != raw.label_names:
         raise UserError(f"the model's labels {names} differ from the data's {raw.label_names}")
+    kind = getattr(model.config, "problem_type", None) or "single_label_classification"
+    if kind != cfg.model.problem_type:
+        raise UserError(f"the model is a {kind} model, the config says model.problem_type={cfg.model.problem_type}")
+    thresholds = getattr(model.config, "label_thresholds", None)
     result: dict[str, Any] = {}
     for split, ds in (("validation", raw.validation), ("test", raw.test)):
         if ds is None:
             continue
         pairs = ds["text_pair"][:] if "text_pair" in ds.column_names else None  # data.text_pair_column
-        preds = predict_texts(tokenizer, model, ds["text"][:], max_length=cfg.data.max_length, pairs=pairs)
-        y_pred = [names.index(p["label"]) for p in preds]
-        y_true = [names.index(raw.raw_to_name[v]) for v in ds["label"][:]]
-        result[split] = classification_metrics(y_true, y_pred, names)
+        logits = model_logits(tokenizer, model, ds["text"][:], pairs, max_length=cfg.data.max_length)
+        y_true = np.asarray(raw.targets(ds))
+        per_label = [thresholds[n] for n in names] if thresholds else None
+        result[split] = compute_metrics(kind, y_true, logits, names, per_label)
     if not result:
         raise UserError(f"{args.config} has no validation or test data to evaluate on")
     print(json.dumps(result, indent=2))

@@ -97,6 +97,14 @@ def parse_yaml12(text: str, source: str = "<string>") -> Any:
 # The schema.
 
 
+# evaluation metrics per problem type, the default `checkpoint.best_metric` first
+METRICS_BY_PROBLEM_TYPE = {
+    "single_label_classification": ("accuracy", "macro_f1", "loss"),
+    "multi_label_classification": ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
+    "regression": ("pearson", "spearman", "mse", "loss"),
+}
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -126,6 +134,11 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     """`model`: pretrained model or from-scratch architecture, tokenizer, memory switches, compile."""
 
+    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] = Field(
+        "single_label_classification",
+        description="transformers' problem_type, written into final/config.json: one label per text (softmax), "
+        "any number of labels per text (sigmoid, per-label thresholds), or a real-valued score (one output)",
+    )
     name_or_path: str | None = "minilm-l6"
     architecture: dict[str, Any] | None = None
     tokenizer: str | None = None
@@ -169,6 +182,28 @@ class DataConfig(_Section):
     text_column: str = "text"
     text_pair_column: str | None = None
     label_column: str = "label"
+    label_delimiter: str | None = Field(
+        None,
+        description="multi-label: the label column holds names or ids joined by this string (e.g. ','); "
+        "without it a JSON list ('[\"a\", \"b\"]') or a list value is read",
+    )
+    label_columns: list[str] | None = Field(
+        None, description="multi-label: one 0/1 column per label (the column names are the label names)"
+    )
+    labels_file: str | None = Field(
+        None,
+        description="label names, one per line; line number = label id (ids in the data are mapped to these names)",
+    )
+    label_files: dict[str, str] | None = Field(
+        None,
+        description="one text file per label, one text per line: {label: path}; replaces data.train_file "
+        "(use data.validation_split for validation)",
+    )
+    encoding_errors: Literal["strict", "replace"] = Field(
+        "strict",
+        description="undecodable bytes: strict = one-line error naming the file; replace = U+FFFD (e.g. one "
+        "odd file in a folder-per-label corpus)",
+    )
     labels: list[str] | None = None
     label_map: dict[str, str] | None = None
     validation_split: float | None = Field(None, gt=0.0, lt=1.0)
@@ -196,10 +231,15 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _sources(self) -> DataConfig:
-        if self.train_file is None and self.hub_dataset is None:
-            raise ValueError("set data.train_file (or data.hub_dataset)")
-        if self.train_file is not None and self.hub_dataset is not None:
-            raise ValueError("set only one of data.train_file and data.hub_dataset")
+        sources = [k for k in ("train_file", "hub_dataset", "label_files") if getattr(self, k) is not None]
+        if not sources:
+            raise ValueError("set data.train_file (or data.hub_dataset, or data.label_files)")
+        if len(sources) > 1:
+            raise ValueError(f"set only one of {', '.join('data.' + k for k in sources)}")
+        if self.label_columns is not None and self.label_delimiter is not None:
+            raise ValueError(
+                "data.label_columns (one 0/1 column per label) and data.label_delimiter exclude each other"
+            )
         if self.validation_split is not None and (self.validation_file is not None):
             raise ValueError(
                 "data.validation_split carves a validation set from train: do not also set data.validation_file"
@@ -269,8 +309,13 @@ class CheckpointConfig(_Section):
     every_steps: PositiveInt | None = None
     resume: str | None = None  # auto | <path> | null
     keep_last: PositiveInt = 2
-    # an evaluation metric (loss: lower is better), checked here so a typo fails before training, not after
-    best_metric: Literal["accuracy", "macro_f1", "loss"] = "accuracy"
+    best_metric: (
+        Literal["accuracy", "macro_f1", "micro_f1", "subset_accuracy", "pearson", "spearman", "mse", "loss"] | None
+    ) = Field(
+        None,
+        description="the evaluation metric that picks the best checkpoint and drives early stopping (loss and mse: "
+        "lower is better); default per model.problem_type: accuracy, micro_f1, pearson",
+    )
     export: Literal["last", "best"] = "last"  # what final/ holds
 
     @model_validator(mode="after")
@@ -325,6 +370,31 @@ class Config(_Section):
                     f"train.batch_size={t.batch_size} must equal train.micro_batch_size ({t.micro_batch_size}) x "
                     f"train.gradient_accumulation_steps ({accumulation}) x processes"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _problem_type(self) -> Config:
+        kind, d = self.model.problem_type, self.data
+        allowed = METRICS_BY_PROBLEM_TYPE[kind]
+        if self.checkpoint.best_metric is None:
+            self.checkpoint.best_metric = allowed[0]
+        elif self.checkpoint.best_metric not in allowed:
+            raise ValueError(
+                f"checkpoint.best_metric={self.checkpoint.best_metric} is not a metric of model.problem_type={kind}; "
+                f"choose one of {list(allowed)}"
+            )
+        if kind != "multi_label_classification" and (d.label_columns is not None or d.label_delimiter is not None):
+            raise ValueError(
+                "data.label_columns / data.label_delimiter describe multi-label data: set "
+                "model.problem_type=multi_label_classification"
+            )
+        if kind == "regression" and (d.labels is not None or d.label_map is not None or d.label_files is not None):
+            raise ValueError("model.problem_type=regression has one real-valued label: remove data.labels / "
+                             "data.label_map / data.label_files")
+        if kind == "multi_label_classification" and d.label_files is not None:
+            raise ValueError(
+                "data.label_files gives one label per text: use model.problem_type=single_label_classification"
+            )
         return self
 
     @model_validator(mode="after")

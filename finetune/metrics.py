@@ -1,4 +1,9 @@
-"""Classification metrics (scikit-learn), evaluation over a prepared loader, metrics rows, curves."""
+"""Metrics per problem type (scikit-learn, scipy), evaluation over a prepared loader, metrics rows, curves.
+
+single_label_classification: accuracy, macro-F1, per class, confusion matrix. multi_label_classification:
+micro- and macro-F1, per-label F1 and subset accuracy at per-label decision thresholds (tuned on the
+data given, or passed in: the test split uses validation's). regression: Pearson, Spearman, MSE.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
-from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_recall_fscore_support
+from scipy.stats import pearsonr, spearmanr
+from sklearn.metrics import (
+    accuracy_score,
+    confusion_matrix,
+    f1_score,
+    mean_squared_error,
+    precision_recall_fscore_support,
+)
 
 from finetune import faults
 from finetune.errors import UserError
-from finetune.precision import fp32_cross_entropy
+from finetune.precision import fp32_per_sample_loss
 
 logger = logging.getLogger("finetune")
 
@@ -35,6 +48,84 @@ def classification_metrics(y_true: Sequence[int], y_pred: Sequence[int], label_n
     }
 
 
+THRESHOLD_GRID = np.round(np.arange(0.05, 0.951, 0.05), 2)
+# the headline numbers of a metrics dict, in the order logs print them
+HEADLINE = ("accuracy", "micro_f1", "macro_f1", "subset_accuracy", "pearson", "spearman", "mse")
+
+
+def tune_thresholds(y_true: np.ndarray, probs: np.ndarray) -> list[float]:
+    """Per label, the decision threshold on a 0.05 grid that maximises that label's F1 on this data
+    (ties: the one nearest 0.5; a label without positives keeps 0.5)."""
+    out = []
+    for j in range(y_true.shape[1]):
+        if y_true[:, j].sum() == 0:
+            out.append(0.5)
+            continue
+        scores = [f1_score(y_true[:, j], probs[:, j] >= t, zero_division=0) for t in THRESHOLD_GRID]
+        best = max(range(len(THRESHOLD_GRID)), key=lambda k: (scores[k], -abs(THRESHOLD_GRID[k] - 0.5)))
+        out.append(float(THRESHOLD_GRID[best]))
+    return out
+
+
+def multilabel_metrics(
+    y_true: np.ndarray, probs: np.ndarray, label_names: list[str], thresholds: list[float]
+) -> dict[str, Any]:
+    """Micro/macro-F1, per-label precision/recall/F1/support and subset accuracy at `thresholds`."""
+    pred = probs >= np.asarray(thresholds)[None, :]
+    p, r, f, s = precision_recall_fscore_support(y_true, pred, zero_division=0)
+    return {
+        "micro_f1": float(f1_score(y_true, pred, average="micro", zero_division=0)),
+        "macro_f1": float(f1_score(y_true, pred, average="macro", zero_division=0)),
+        "subset_accuracy": float(accuracy_score(y_true, pred)),
+        "micro_f1_at_0.5": float(f1_score(y_true, probs >= 0.5, average="micro", zero_division=0)),
+        "per_label": {
+            name: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]), "support": int(s[i]),
+                   "threshold": thresholds[i]}  # fmt: skip
+            for i, name in enumerate(label_names)
+        },
+        "thresholds": list(thresholds),
+        "num_samples": int(len(y_true)),
+    }
+
+
+def _correlation(fn: Any, a: np.ndarray, b: np.ndarray) -> float:
+    if len(a) < 2 or np.std(a) == 0 or np.std(b) == 0:
+        return 0.0  # undefined for a constant prediction: no correlation to report
+    return float(fn(a, b)[0])
+
+
+def regression_metrics(y_true: np.ndarray, y_pred: np.ndarray) -> dict[str, Any]:
+    """Pearson and Spearman correlation and mean squared error."""
+    return {
+        "pearson": _correlation(pearsonr, y_pred, y_true),
+        "spearman": _correlation(spearmanr, y_pred, y_true),
+        "mse": float(mean_squared_error(y_true, y_pred)),
+        "num_samples": int(len(y_true)),
+    }
+
+
+def compute_metrics(
+    problem_type: str,
+    y_true: np.ndarray,
+    logits: np.ndarray,
+    label_names: list[str],
+    thresholds: list[float] | None = None,
+) -> dict[str, Any]:
+    """The metrics of `problem_type` from gathered labels and logits (multi-label: thresholds tuned
+    on these rows when none are given)."""
+    if problem_type == "regression":
+        return regression_metrics(y_true.astype(np.float64), logits[:, 0].astype(np.float64))
+    if problem_type == "multi_label_classification":
+        probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+        return multilabel_metrics(y_true, probs, label_names, thresholds or tune_thresholds(y_true, probs))
+    return classification_metrics(y_true.tolist(), logits.argmax(-1).tolist(), label_names)
+
+
+def headline(metrics: dict[str, Any]) -> str:
+    """`accuracy 0.8712, macro_f1 0.8701` from whatever headline metrics the dict has."""
+    return ", ".join(f"{k} {metrics[k]:.4f}" for k in HEADLINE if k in metrics)
+
+
 def plot_curves(metrics_file: Path, out_file: Path) -> None:
     """curves.png: training loss, learning rate and eval accuracy against optimizer step."""
     import matplotlib
@@ -44,14 +135,15 @@ def plot_curves(metrics_file: Path, out_file: Path) -> None:
 
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     train = [r for r in rows if "loss" in r]
-    evals = [r for r in rows if "eval_accuracy" in r]
+    key = next((f"eval_{k}" for k in HEADLINE if any(f"eval_{k}" in r for r in rows)), "eval_loss")
+    evals = [r for r in rows if key in r]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train])
     axes[0].set_title("training loss")
     axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
     axes[1].set_title("learning rate")
-    axes[2].plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o")
-    axes[2].set_title("eval accuracy")
+    axes[2].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o")
+    axes[2].set_title(key.replace("_", " "))
     for ax in axes:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
@@ -96,30 +188,38 @@ def batch_logits(
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, loader: Any, accelerator: Accelerator, label_names: list[str], fault_step: int = 0
+    model: torch.nn.Module,
+    loader: Any,
+    accelerator: Accelerator,
+    label_names: list[str],
+    fault_step: int = 0,
+    problem_type: str = "single_label_classification",
+    thresholds: list[float] | None = None,
 ) -> dict[str, Any]:
     """Metrics over a prepared loader; `gather_for_metrics` drops the duplicates of padded batches.
 
     An out-of-memory error halves the rows per forward (the batches and results stay the same).
+    Multi-label: `thresholds` per label, or tuned on this loader's data when None.
 
     Raises:
         UserError: out of memory even one row at a time.
     """
     model.eval()
-    preds, refs, losses = [], [], []
+    outs, refs, losses = [], [], []
     rows = None
     for batch in loader:
         labels = batch.pop("labels")
         logits, rows = batch_logits(model, batch, rows, fault_step)
         # the loss goes through gather_for_metrics too: the refilled tail of the last batch
         # (even_batches) must not count twice
-        p, r, loss = accelerator.gather_for_metrics((logits.argmax(-1), labels, fp32_cross_entropy(logits, labels)))
-        preds.append(p.cpu())
-        refs.append(r.cpu())
+        loss = fp32_per_sample_loss(logits, labels, problem_type)
+        out, ref, loss = accelerator.gather_for_metrics((logits.float(), labels, loss))
+        outs.append(out.cpu())
+        refs.append(ref.cpu())
         losses.append(loss.cpu())
     model.train()
-    y_pred, y_true = torch.cat(preds).tolist(), torch.cat(refs).tolist()
-    metrics = classification_metrics(y_true, y_pred, label_names)
+    y_true, logits = torch.cat(refs).numpy(), torch.cat(outs).numpy()
+    metrics = compute_metrics(problem_type, y_true, logits, label_names, thresholds)
     metrics["loss"] = float(torch.cat(losses).sum()) / max(1, len(y_true))
     return metrics
 
@@ -133,16 +233,16 @@ def record_row(accelerator: Accelerator, metrics_file: Path, row: dict[str, Any]
 
 
 def eval_row(step: int, metrics: dict[str, Any], prefix: str = "eval") -> dict[str, Any]:
-    """The metrics.jsonl fields of an evaluation."""
-    return {"step": step, f"{prefix}_accuracy": metrics["accuracy"], f"{prefix}_macro_f1": metrics["macro_f1"],
-            f"{prefix}_loss": metrics["loss"]}
+    """The metrics.jsonl fields of an evaluation: its headline metrics and loss."""
+    keys = [k for k in (*HEADLINE, "loss") if k in metrics]
+    return {"step": step, **{f"{prefix}_{k}": metrics[k] for k in keys}}
 
 
 def final_summary(final: dict[str, Any], final_dir: Path) -> str:
     """The run's last log line: what final/ holds and how it scores."""
     summary = f"done: final/ holds the {final.get('exported', 'last')} weights (step {final['step']})"
-    if "accuracy" in final:
-        summary += f"; validation accuracy {final['accuracy']:.4f}, macro-F1 {final['macro_f1']:.4f}"
+    if headline(final):
+        summary += f"; validation {headline(final)}"
     if "test" in final:
-        summary += f"; test accuracy {final['test']['accuracy']:.4f}"
+        summary += f"; test {headline(final['test'])}"
     return summary + f"; model in {final_dir}"

@@ -96,8 +96,9 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
         arch.setdefault("pad_token_id", tokenizer.pad_token_id)
         try:
             config = AutoConfig.for_model(
-                model_type, num_labels=len(label_names), id2label=id2label, label2id=label2id, **arch
-            )
+                model_type, num_labels=len(label_names), id2label=id2label, label2id=label2id,
+                problem_type=m.problem_type, **arch,
+            )  # fmt: skip
         except (ValueError, TypeError) as exc:
             raise UserError(f"model.architecture: {exc}") from None
         model = AutoModelForSequenceClassification.from_config(config)
@@ -110,6 +111,7 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
             num_labels=len(label_names),
             id2label=id2label,
             label2id=label2id,
+            problem_type=m.problem_type,  # final/config.json: pipeline picks softmax / sigmoid / identity
             ignore_mismatched_sizes=True,
             trust_remote_code=m.trust_remote_code,
             dtype=torch.float32,

@@ -67,6 +67,19 @@ def fp32_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
+def fp32_per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> torch.Tensor:
+    """One fp32 loss per sample, from upcast logits: cross-entropy (single-label), binary
+    cross-entropy averaged over the labels (multi-label), squared error (regression, one output).
+
+    Per sample, so the loop can weight samples and normalise by the whole window's sample count.
+    """
+    if problem_type == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(-1)
+    if problem_type == "regression":
+        return (logits.float().squeeze(-1) - labels.float()) ** 2
+    return fp32_cross_entropy(logits, labels)
+
+
 # ----------------------------------------------------------------------------------------------
 # fp32 norms.
 

@@ -34,7 +34,7 @@ from finetune.checkpoint import TrainingProgress
 from finetune.config import Config, dump_config, load_config
 from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
 from finetune.errors import UserError
-from finetune.metrics import eval_row, evaluate, final_summary, plot_curves, record_row
+from finetune.metrics import eval_row, evaluate, final_summary, headline, plot_curves, record_row
 from finetune.model import attention_cost, build_model, build_tokenizer, check_packing, count_parameters, packed_logits
 from finetune.optim import (
     build_optimizer,
@@ -52,7 +52,7 @@ from finetune.precision import (
     compile_model,
     dtype_audit,
     format_audit,
-    fp32_cross_entropy,
+    fp32_per_sample_loss,
     release_cached_memory,
 )
 from finetune.runtime import (
@@ -379,7 +379,8 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
         with acc.accumulate(run.model), run.oom:
             faults.oom_point("oom_at_step", progress.step + 1, (progress.batches_in_epoch - 1) % G, G)
             logits = packed_logits(run.model, batch) if cfg.data.packing else run.model(**batch).logits
-            per_sample = faults.nonfinite_point(fp32_cross_entropy(logits, labels) * weight, progress.step + 1)
+            loss_per_sample = fp32_per_sample_loss(logits, labels, cfg.model.problem_type)
+            per_sample = faults.nonfinite_point(loss_per_sample * weight, progress.step + 1)
             # Exact accumulation: sum over the window's true sample count (short tail window and
             # all processes included); x G x P cancels Accelerate's /G and DDP's mean.
             loss = per_sample.sum() * (G * P) / window_samples
@@ -502,13 +503,18 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     """A periodic evaluation: metrics row, best-metric bookkeeping; its time is not throughput."""
     started = time.perf_counter()
     release_cached_memory(run.cfg.precision.empty_cache, run.accelerator.device)
-    progress.eval = evaluate(run.model, run.eval_loader, run.accelerator, run.data.label_names, progress.step)
+    progress.eval = evaluate_split(run, run.eval_loader, progress.step)
     progress.eval["step"] = progress.step
     ckpt.update_best(progress.best, run.cfg.checkpoint.best_metric, progress.eval, progress.step)
     record_row(run.accelerator, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
-    run.bar.write(f"step {progress.step}: eval accuracy {progress.eval['accuracy']:.4f}, "
-                  f"macro-F1 {progress.eval['macro_f1']:.4f}")
+    run.bar.write(f"step {progress.step}: eval {headline(progress.eval)}")
     sums.started += time.perf_counter() - started
+
+
+def evaluate_split(run: Run, loader: Any, fault_step: int = 0, thresholds: list[float] | None = None) -> dict:
+    """`metrics.evaluate` of the run's model on one prepared loader, for the run's problem type."""
+    return evaluate(run.model, loader, run.accelerator, run.data.label_names, fault_step,
+                    run.cfg.model.problem_type, thresholds)
 
 
 def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
@@ -537,7 +543,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     run.bar.close()
     release_cached_memory(cfg.precision.empty_cache, acc.device)
     if run.eval_loader is not None:
-        progress.eval = evaluate(run.model, run.eval_loader, acc, run.data.label_names, progress.step)
+        progress.eval = evaluate_split(run, run.eval_loader, progress.step)
         progress.eval["step"] = progress.step
         ckpt.update_best(progress.best, cfg.checkpoint.best_metric, progress.eval, progress.step)
         if not was_finished:
@@ -551,13 +557,14 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         if cfg.checkpoint.export == "best" else None
     if best is not None:
         best_step = ckpt.read_progress(best).step
-        final = {**evaluate(run.model, run.eval_loader, acc, run.data.label_names), "step": best_step,
-                 "exported": "best"}
+        final = {**evaluate_split(run, run.eval_loader), "step": best_step, "exported": "best"}
+    thresholds = final.get("thresholds")  # multi-label: tuned on validation, applied to test and in final/
     if run.test_loader is not None:
-        final["test"] = evaluate(run.model, run.test_loader, acc, run.data.label_names)
-        acc.log({"test_accuracy": final["test"]["accuracy"], "test_macro_f1": final["test"]["macro_f1"]},
+        final["test"] = evaluate_split(run, run.test_loader, thresholds=thresholds)
+        acc.log({k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},
                 step=progress.step)
-    ckpt.export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length)
+    label_thresholds = dict(zip(run.data.label_names, thresholds, strict=True)) if thresholds else None
+    ckpt.export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length, label_thresholds)
     if acc.is_main_process:
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         if run.metrics_file.exists():

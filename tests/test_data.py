@@ -266,7 +266,7 @@ def test_text_pair_column(tmp_path: Path, data_dir: Path) -> None:
     raw = load_raw_splits(cfg)
     assert raw.train.column_names == ["text", "text_pair", "label"]
     tok = build_tokenizer(cfg)
-    enc = tokenize_split(raw.train, tok, 32, {"0": 0, "1": 1})
+    enc = tokenize_split(raw.train, tok, 32, raw.target)
     assert set(enc[0]["token_type_ids"]) == {0, 1}  # two segments
     assert enc["labels"][:] == [1, 0]
 
