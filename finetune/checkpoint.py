@@ -64,7 +64,7 @@ HARMLESS_KEYS = {
     "precision.empty_cache",
 }
 # Metrics where lower is better; any other metric (accuracy, macro_f1, ...) is maximised.
-LOWER_IS_BETTER = {"loss"}
+LOWER_IS_BETTER = {"loss", "mse"}
 
 
 # ----------------------------------------------------------------------------------------------
