@@ -23,6 +23,10 @@ def test_configs_dir_has_the_issue_configs() -> None:
         "trec-minilm.yaml",
         "tiny-debug.yaml",
         "sst2-hub.yaml",
+        "goemotions-minilm.yaml",
+        "stsb-minilm.yaml",
+        "mrpc-minilm.yaml",
+        "bbc-minilm.yaml",
     } <= names
 
 

@@ -25,6 +25,7 @@ from finetune.model import build_model, build_tokenizer
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
+ROOT = Path(__file__).resolve().parent.parent
 
 GOEMOTIONS = {
     "model.problem_type": "multi_label_classification",
@@ -252,6 +253,27 @@ def test_a_label_of_one_value_is_refused(tmp_path: Path, capfd: pytest.CaptureFi
     assert "nothing to learn" in _one_line_error(capfd)
     assert main(["--config", str(write_tiny_config(tmp_path, {**base, "data.label_column": "score"}))]) == 2
     assert "at least 2 labels" in _one_line_error(capfd)
+
+
+@pytest.mark.parametrize(
+    "config, rows, labels",
+    [
+        ("goemotions-minilm.yaml", (43_410, 5_426, 5_427), 28),
+        ("stsb-minilm.yaml", (5_749, 1_500, None), 1),
+        ("mrpc-minilm.yaml", (3_667, 408, None), 2),
+        ("bbc-minilm.yaml", (2_225, None, None), 5),
+    ],
+)
+def test_shipped_task_configs_read_their_data(config: str, rows: tuple[int | None, ...], labels: int) -> None:
+    # the counts of each dataset's SOURCE.md, read through the shipped config as a user would
+    raw = load_raw_splits(load_config(ROOT / "configs" / config))
+    got = tuple(len(s) if s is not None else None for s in (raw.train, raw.validation, raw.test))
+    if config.startswith("bbc"):  # one folder per label, 10% held out
+        assert got[0] + got[1] == rows[0] and got[2] is None
+        assert not set(raw.train["text"][:]) & set(raw.validation["text"][:])
+    else:
+        assert got == rows
+    assert len(raw.label_names) == labels
 
 
 # ----------------------------------------------------------------------------------------------
