@@ -76,8 +76,8 @@ class TrainingProgress:
     """The run's progress: what the loop advances and what a checkpoint's progress.json holds.
 
     A finished epoch is saved as the start of the next (`batches_in_epoch` 0). `log_sums` are the
-    summed (loss, samples, real tokens, total tokens) of the log interval in progress, so a resumed
-    run prints the same log lines.
+    summed (weighted loss, loss weight, real tokens, total tokens, rows) of the log interval in progress, so a
+    resumed run prints the same log lines.
     """
 
     step: int = 0  # optimizer steps done
@@ -92,7 +92,7 @@ class TrainingProgress:
     best: dict[str, Any] = field(default_factory=dict)  # value, step, bad_evals (evaluations without improvement)
     finished: bool = False  # early stopping or the end: nothing left to train
     eval: dict[str, Any] = field(default_factory=dict)  # the last evaluation
-    log_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    log_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
     data_sha256: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -636,7 +636,7 @@ def export_final(
     tokenizer: Any,
     out: Path,
     max_length: int,
-    label_thresholds: dict[str, float] | None = None,
+    extra_config: dict[str, Any] | None = None,
 ) -> None:
     """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline).
 
@@ -674,8 +674,9 @@ def export_final(
         config_json = json.loads(config_file.read_text())
         if config_json.get("dtype") not in (None, "float32"):
             config_json["dtype"] = "float32"
-        if label_thresholds is not None:  # multi-label decisions: `finetune predict` / `evaluate` read them
-            config_json["label_thresholds"] = label_thresholds
+        # what prediction needs beyond transformers' keys (multi-label thresholds, the windowing of long
+        # texts): `finetune predict` and `evaluate` read them from final/ alone
+        config_json.update(extra_config or {})
         config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
         remove_tree(out)
         tmp.rename(out)

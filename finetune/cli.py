@@ -140,21 +140,29 @@ def model_logits(
     import torch
     from tqdm.auto import tqdm
 
+    from finetune.data import Windowing, encode_texts
+    from finetune.metrics import per_text
+
     if max_length is None:  # tokenizers without a limit report a huge sentinel
         max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
     # never past the model's position embeddings (a from-scratch model may have fewer than 512)
     max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths -> less padding
-    out = torch.zeros(len(texts), model.config.num_labels)
+    c = model.config  # the run's windowing of long texts, as final/config.json records it
+    w = Windowing(max_length, getattr(c, "truncation", None), getattr(c, "head_fraction", 0.25),
+                  getattr(c, "chunk_stride", None))  # fmt: skip
+    enc = encode_texts(tokenizer, texts, pairs, w)
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    order = sorted(range(len(enc["input_ids"])), key=lambda i: enc["length"][i])  # similar lengths: less padding
+    out = torch.zeros(len(order), c.num_labels)
     starts = range(0, len(order), batch_size)
     with torch.no_grad():
         for s in tqdm(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
             idx = order[s : s + batch_size]
-            second = [pairs[i] for i in idx] if pairs is not None else None
-            enc = tokenizer([texts[i] for i in idx], second, padding=True, truncation=True, max_length=max_length,
-                            return_tensors="pt")  # fmt: skip
-            out[idx] = model(**enc).logits.float()
-    return out.numpy()
+            batch = tokenizer.pad([{k: enc[k][i] for k in keys} for i in idx], return_tensors="pt")
+            out[idx] = model(**batch).logits.float()
+    docs = torch.tensor(enc["doc"])
+    logits, _ = per_text(out, docs, docs, getattr(c, "chunk_aggregate", "mean"))
+    return logits.numpy()
 
 
 def predict_texts(

@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -208,6 +209,21 @@ class DataConfig(_Section):
     label_map: dict[str, str] | None = None
     validation_split: float | None = Field(None, gt=0.0, lt=1.0)
     max_length: PositiveInt = 128
+    truncation: Literal["head", "tail", "head_tail"] | None = Field(
+        None,
+        description="what a text longer than max_length keeps: its start (head, the default), its end (tail), or "
+        "both (head_tail: data.head_fraction of the tokens from the start, the rest from the end)",
+    )
+    head_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="head_tail: the share of tokens kept from the start")
+    chunk_stride: NonNegativeInt | None = Field(
+        None,
+        description="split long texts into windows of max_length overlapping by this many tokens instead of "
+        "truncating: training sees every window (weighted 1/windows of its text), evaluation and predict "
+        "aggregate the windows' logits per text (data.chunk_aggregate)",
+    )
+    chunk_aggregate: Literal["mean", "max"] = Field(
+        "mean", description="how the windows' logits of one text are combined in evaluation and predict"
+    )
     max_train_samples: PositiveInt | None = None
     max_eval_samples: PositiveInt | None = None
     group_by_length: bool = True
@@ -281,6 +297,16 @@ class TrainConfig(_Section):
     eval_every_steps: PositiveInt | None = None
     log_every_steps: PositiveInt = 10
     nonfinite: Literal["stop", "skip"] = "stop"
+    class_weights: Literal["auto"] | list[PositiveFloat] | None = Field(
+        None,
+        description="single-label: weight each sample's loss by its class (a list in label-id order, or auto = "
+        "inverse class frequency in the training split, mean 1); each window is normalised by its summed weights",
+    )
+    loss: Literal["cross_entropy", "focal"] = Field(
+        "cross_entropy",
+        description="focal = cross-entropy x (1 - p_true)^focal_gamma (single-label; per label for multi-label)",
+    )
+    focal_gamma: float = Field(2.0, ge=0.0, description="train.loss=focal: how strongly easy samples are down-weighted")
     early_stopping_patience: PositiveInt | None = None
 
     @model_validator(mode="after")
@@ -391,6 +417,19 @@ class Config(_Section):
         if kind == "regression" and (d.labels is not None or d.label_map is not None or d.label_files is not None):
             raise ValueError("model.problem_type=regression has one real-valued label: remove data.labels / "
                              "data.label_map / data.label_files")
+        if kind != "single_label_classification" and self.train.class_weights is not None:
+            raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
+        if kind == "regression" and self.train.loss == "focal":
+            raise ValueError("train.loss=focal is a classification loss; model.problem_type=regression uses MSE")
+        if d.truncation is not None and d.chunk_stride is not None:
+            raise ValueError("data.truncation and data.chunk_stride exclude each other: chunks keep every token")
+        if d.chunk_stride is not None and d.chunk_stride >= d.max_length:
+            raise ValueError(
+                f"data.chunk_stride={d.chunk_stride} must be smaller than data.max_length ({d.max_length}) minus the "
+                "special tokens, or no window would advance"
+            )
+        if d.text_pair_column is not None and (d.chunk_stride is not None or d.truncation == "head_tail"):
+            raise ValueError("data.chunk_stride and data.truncation=head_tail take single texts, not pairs")
         if kind == "multi_label_classification" and d.label_files is not None:
             raise ValueError(
                 "data.label_files gives one label per text: use model.problem_type=single_label_classification"

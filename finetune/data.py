@@ -610,26 +610,128 @@ def _grouped_split(
 # Tokenization and the data report.
 
 
+@dataclass(frozen=True)
+class Windowing:
+    """How a text longer than `max_length` becomes model input: one truncated row (`truncation`:
+    head, tail or head_tail) or several overlapping windows (`chunk_stride` tokens of overlap)."""
+
+    max_length: int
+    truncation: str | None = None  # None: head
+    head_fraction: float = 0.25
+    chunk_stride: int | None = None
+
+    @classmethod
+    def of(cls, cfg: Config) -> Windowing:
+        d = cfg.data
+        return cls(d.max_length, d.truncation, d.head_fraction, d.chunk_stride)
+
+
+def _special_layout(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a single text (e.g. [CLS] ... [SEP], <s> ...).
+
+    Raises:
+        UserError: the tokenizer does not wrap a text in a fixed prefix and suffix.
+    """
+    inner = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for i in range(len(full) - len(inner) + 1):
+        if full[i : i + len(inner)] == inner:
+            return full[:i], full[i + len(inner) :]
+    raise UserError("data.truncation: this tokenizer's special tokens are not a fixed prefix/suffix; use head")
+
+
+def _keep(ids: list[int], budget: int, mode: str, head_fraction: float) -> list[int]:
+    """tail: the last `budget` tokens; head_tail: round(budget x head_fraction) first, the rest last."""
+    if len(ids) <= budget:
+        return ids
+    head = 0 if mode == "tail" else round(budget * head_fraction)
+    return ids[:head] + ids[len(ids) - (budget - head) :]
+
+
+def encode_texts(
+    tokenizer: Any, texts: list[str], pairs: list[str] | None, w: Windowing
+) -> dict[str, list[Any]]:
+    """Model inputs for `texts` (and `pairs`) plus `doc` (the index of each row's text: several rows
+    per text with chunking), `length` and `truncated` (the text did not fit in one row).
+
+    Raises:
+        UserError: a chunk stride that leaves no room for new tokens in a window.
+    """
+    n = len(texts)
+    full = tokenizer(texts, pairs, truncation=False)["input_ids"]
+    if w.chunk_stride is not None:
+        room = w.max_length - tokenizer.num_special_tokens_to_add(pair=False)
+        if w.chunk_stride >= room:
+            raise UserError(f"data.chunk_stride={w.chunk_stride} must be smaller than data.max_length minus the "
+                            f"special tokens ({room})")  # fmt: skip
+        enc = dict(tokenizer(texts, truncation=True, max_length=w.max_length, stride=w.chunk_stride,
+                             return_overflowing_tokens=True))  # fmt: skip
+        docs = list(enc.pop("overflow_to_sample_mapping"))
+    elif w.truncation in ("tail", "head_tail"):
+        prefix, suffix = _special_layout(tokenizer)
+        budget = w.max_length - len(prefix) - len(suffix)
+        inner = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = [prefix + _keep(x, budget, w.truncation, w.head_fraction) + suffix for x in inner]
+        enc = {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]}
+        if "token_type_ids" in tokenizer.model_input_names:
+            enc["token_type_ids"] = [[0] * len(x) for x in ids]
+        docs = list(range(n))
+    else:
+        enc = dict(tokenizer(texts, pairs, truncation=True, max_length=w.max_length))
+        docs = list(range(n))
+    enc["doc"] = docs
+    enc["length"] = [len(x) for x in enc["input_ids"]]
+    enc["truncated"] = [len(full[d]) > w.max_length for d in docs]
+    return enc
+
+
 def tokenize_split(
-    ds: datasets.Dataset, tokenizer: Any, max_length: int, target: Callable[[Any], Any] | None
+    ds: datasets.Dataset, tokenizer: Any, windowing: Windowing | int, target: Callable[[Any], Any] | None
 ) -> datasets.Dataset:
-    """Tokenize once (cached by `map`), truncating at max_length; keep `length` and `truncated`;
-    `target` turns a raw label into `labels` (`RawSplits.target`)."""
+    """Tokenize once (cached by `map`): rows as `encode_texts` makes them, `doc` numbered over the
+    whole split, `labels` from `target` (`RawSplits.target`) repeated for every window of a text."""
+    w = windowing if isinstance(windowing, Windowing) else Windowing(windowing)
     has_pair = "text_pair" in ds.column_names
 
-    def encode(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        pairs = batch["text_pair"] if has_pair else None
-        full = tokenizer(batch["text"], pairs, truncation=False, add_special_tokens=True)["input_ids"]
-        enc = tokenizer(batch["text"], pairs, truncation=True, max_length=max_length)
-        out = dict(enc)
-        out["length"] = [len(x) for x in enc["input_ids"]]
-        out["truncated"] = [len(f) > max_length for f in full]
+    def encode(batch: dict[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        out = encode_texts(tokenizer, batch["text"], batch["text_pair"] if has_pair else None, w)
         if target is not None and "label" in batch:
-            out["labels"] = [target(v) for v in batch["label"]]
+            out["labels"] = [target(batch["label"][d]) for d in out["doc"]]
+        out["doc"] = [indices[d] for d in out["doc"]]
         return out
 
     remove = [c for c in ds.column_names if c in ("text", "text_pair", "label")]
-    return ds.map(encode, batched=True, remove_columns=remove, desc="tokenize")
+    return ds.map(encode, batched=True, with_indices=True, remove_columns=remove, desc="tokenize")
+
+
+def sample_weights(
+    train: datasets.Dataset, label_names: list[str], class_weights: str | list[float] | None
+) -> list[float] | None:
+    """Per training row: its class weight x 1/(windows of its text); None when every weight is 1.
+
+    Raises:
+        UserError: a class weight list of the wrong length.
+    """
+    docs = train["doc"][:]
+    windows = Counter(docs)
+    weights = [1.0 / windows[d] for d in docs]
+    if class_weights is not None:
+        labels = train["labels"][:]
+        if class_weights == "auto":  # inverse class frequency over texts (not windows), mean 1 over classes
+            first = {d: y for d, y in zip(docs, labels, strict=True)}
+            counts = Counter(first.values())
+            inverse = [1.0 / counts[c] if counts[c] else 0.0 for c in range(len(label_names))]
+            mean = sum(inverse) / sum(1 for x in inverse if x)
+            per_class = [x / mean for x in inverse]
+            logger.info("class weights (auto): " + ", ".join(
+                f"{n} {w:.3g}" for n, w in zip(label_names, per_class, strict=True)))  # fmt: skip
+        else:
+            if len(class_weights) != len(label_names):
+                raise UserError(f"train.class_weights has {len(class_weights)} weights for {len(label_names)} labels "
+                                f"{label_names} (label-id order)")  # fmt: skip
+            per_class = list(class_weights)
+        weights = [w * per_class[y] for w, y in zip(weights, labels, strict=True)]
+    return None if all(w == 1.0 for w in weights) else weights
 
 
 def _label_summary(raw: RawSplits, ds: datasets.Dataset) -> dict[str, Any]:
@@ -729,11 +831,15 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
                 f"{' and '.join(needs)} need validation data: set data.validation_file or data.validation_split, "
                 f"or remove {' and '.join(needs)}"
             )
+    windowing = Windowing.of(cfg)
     tok = {
-        name: tokenize_split(ds, tokenizer, cfg.data.max_length, raw.target)
+        name: tokenize_split(ds, tokenizer, windowing, raw.target)
         for name, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test))
         if ds is not None
     }
+    weights = sample_weights(tok["train"], raw.label_names, cfg.train.class_weights)
+    if weights is not None:
+        tok["train"] = tok["train"].add_column("weight", weights)
     report = build_data_report(raw, tok)
     sha = {split: file_sha256(p) for split, p in raw.files.items()}
     return Data(
@@ -767,8 +873,12 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
         group_by_length: bool = True,
         pad_to_multiple: int = 1,
         megabatch_factor: int = 50,
+        weights: list[float] | None = None,
     ) -> None:
         self.lengths = lengths
+        # per-sample loss weights (class weights, 1/windows of a chunked text): a window is normalised
+        # by their sum, which is what the stamped window total is
+        self.weights = weights
         self.batch_size = batch_size
         self.accumulation = accumulation
         self.seed = seed
@@ -811,9 +921,10 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
         batches = self.batches()
         for w in range(0, len(batches), self.accumulation):
             window = batches[w : w + self.accumulation]
-            n = sum(len(b) for b in window)
+            weight = self.weights or [1.0] * len(self.lengths)
+            n = sum(weight[i] for b in window for i in b)
             for b in window:
-                items = [(i, n, 1.0) for i in b]
+                items = [(i, n, weight[i]) for i in b]
                 if self.pad_to_multiple > 1 and len(items) < self.batch_size:
                     # Several processes: Accelerate's BatchSamplerShard (split_batches=True) refills a
                     # short global batch with samples from the epoch's start (weight 1: counted twice)
@@ -869,6 +980,8 @@ class Collator:
         if "labels" in features[0]:  # ids: int64; multi-hot rows and regression scores: float32
             labels = torch.tensor([f["labels"] for f in features])
             batch["labels"] = labels.float() if labels.is_floating_point() else labels
+        if "doc" in features[0]:  # chunked texts: evaluation aggregates the windows of each text
+            batch["doc"] = torch.tensor([f["doc"] for f in features], dtype=torch.long)
         if "window_samples" in features[0]:
             batch["window_samples"] = torch.tensor(features[0]["window_samples"], dtype=torch.float32)
             batch["sample_weight"] = torch.tensor([f["sample_weight"] for f in features], dtype=torch.float32)
@@ -981,6 +1094,7 @@ def build_train_loader(
         seed=cfg.run.seed,
         group_by_length=cfg.data.group_by_length,
         pad_to_multiple=num_processes,
+        weights=ds["weight"][:] if "weight" in ds.column_names else None,
     )
     # its own generator: a DataLoader without one draws its base seed from the global torch RNG at
     # every iterator creation, which shifts dropout masks after a mid-epoch resume (exact resume)

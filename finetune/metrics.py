@@ -195,33 +195,55 @@ def evaluate(
     fault_step: int = 0,
     problem_type: str = "single_label_classification",
     thresholds: list[float] | None = None,
+    aggregate: str = "mean",
 ) -> dict[str, Any]:
     """Metrics over a prepared loader; `gather_for_metrics` drops the duplicates of padded batches.
 
-    An out-of-memory error halves the rows per forward (the batches and results stay the same).
-    Multi-label: `thresholds` per label, or tuned on this loader's data when None.
+    Rows that are windows of one text (`data.chunk_stride`) are scored as that text: their logits
+    are averaged (`aggregate="mean"`) or maxed, and `num_samples` counts texts. An out-of-memory
+    error halves the rows per forward (the batches and results stay the same). Multi-label:
+    `thresholds` per label, or tuned on this loader's data when None.
 
     Raises:
         UserError: out of memory even one row at a time.
     """
     model.eval()
-    outs, refs, losses = [], [], []
-    rows = None
+    outs, refs, docs = [], [], []
+    rows, seen = None, 0
     for batch in loader:
         labels = batch.pop("labels")
+        doc = batch.pop("doc", None)
+        if doc is None:  # rows of a split tokenized without text ids: every row is its own text
+            doc = torch.arange(len(labels), device=labels.device) + seen + accelerator.process_index * 10**9
+            seen += len(labels)
         logits, rows = batch_logits(model, batch, rows, fault_step)
-        # the loss goes through gather_for_metrics too: the refilled tail of the last batch
-        # (even_batches) must not count twice
-        loss = fp32_per_sample_loss(logits, labels, problem_type)
-        out, ref, loss = accelerator.gather_for_metrics((logits.float(), labels, loss))
+        out, ref, doc = accelerator.gather_for_metrics((logits.float(), labels, doc))
         outs.append(out.cpu())
         refs.append(ref.cpu())
-        losses.append(loss.cpu())
+        docs.append(doc.cpu())
     model.train()
-    y_true, logits = torch.cat(refs).numpy(), torch.cat(outs).numpy()
-    metrics = compute_metrics(problem_type, y_true, logits, label_names, thresholds)
-    metrics["loss"] = float(torch.cat(losses).sum()) / max(1, len(y_true))
+    logits, labels = per_text(torch.cat(outs), torch.cat(refs), torch.cat(docs), aggregate)
+    metrics = compute_metrics(problem_type, labels.numpy(), logits.numpy(), label_names, thresholds)
+    metrics["loss"] = float(fp32_per_sample_loss(logits, labels, problem_type).mean()) if len(labels) else 0.0
     return metrics
+
+
+def per_text(
+    logits: torch.Tensor, labels: torch.Tensor, docs: torch.Tensor, aggregate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row per text: the mean (or max) of its windows' logits, and its label."""
+    ids, inverse = torch.unique(docs, return_inverse=True)
+    if len(ids) == len(docs):
+        order = torch.argsort(inverse)
+        return logits[order], labels[order]
+    index = inverse.unsqueeze(-1).expand_as(logits)
+    if aggregate == "max":
+        out = torch.full((len(ids), logits.shape[1]), float("-inf")).scatter_reduce(0, index, logits, "amax")
+    else:
+        counts = torch.zeros(len(ids)).index_add_(0, inverse, torch.ones(len(docs)))
+        out = torch.zeros(len(ids), logits.shape[1]).index_add_(0, inverse, logits) / counts[:, None]
+    first = torch.zeros(len(ids), dtype=torch.long).scatter_(0, inverse.flip(0), torch.arange(len(docs)).flip(0))
+    return out, labels[first]
 
 
 def record_row(accelerator: Accelerator, metrics_file: Path, row: dict[str, Any]) -> None:

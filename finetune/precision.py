@@ -67,17 +67,25 @@ def fp32_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.float(), labels, reduction="none")
 
 
-def fp32_per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> torch.Tensor:
+def fp32_per_sample_loss(
+    logits: torch.Tensor, labels: torch.Tensor, problem_type: str, focal_gamma: float | None = None
+) -> torch.Tensor:
     """One fp32 loss per sample, from upcast logits: cross-entropy (single-label), binary
     cross-entropy averaged over the labels (multi-label), squared error (regression, one output).
+    With `focal_gamma` the classification losses are focal: each term times (1 - p_true)^gamma,
+    p_true = exp(-term), so confidently right samples weigh little.
 
-    Per sample, so the loop can weight samples and normalise by the whole window's sample count.
+    Per sample, so the loop can weight samples and normalise by the whole window's sample weight.
     """
-    if problem_type == "multi_label_classification":
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none").mean(-1)
     if problem_type == "regression":
         return (logits.float().squeeze(-1) - labels.float()) ** 2
-    return fp32_cross_entropy(logits, labels)
+    if problem_type == "multi_label_classification":
+        terms = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
+    else:
+        terms = fp32_cross_entropy(logits, labels)
+    if focal_gamma is not None:
+        terms = (1.0 - torch.exp(-terms)) ** focal_gamma * terms
+    return terms.mean(-1) if problem_type == "multi_label_classification" else terms
 
 
 # ----------------------------------------------------------------------------------------------

@@ -77,15 +77,16 @@ logger = logging.getLogger("finetune")
 
 @dataclass
 class LogSums:
-    """Sums since the last log line (loss, samples, real and total tokens), kept on the device so
-    the step has no host sync; `started` is when the interval began (evaluation time excluded)."""
+    """Sums since the last log line, kept on the device so the step has no host sync: weighted loss,
+    loss weight, real tokens, total tokens, rows (weight-0 fill rows excluded); `started` is when the
+    interval began (evaluation time excluded)."""
 
     values: torch.Tensor
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
     def zeros(cls, device: torch.device) -> LogSums:
-        return cls(torch.zeros(4, device=device))
+        return cls(torch.zeros(5, device=device))
 
     def reduce(self, accelerator: Accelerator) -> list[float]:
         """The sums of all processes (a collective: every process calls it)."""
@@ -340,7 +341,8 @@ def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> Trai
         logger.info(f"resuming with micro-batch {progress.micro_batch_size} x accumulation "
                     f"{progress.gradient_accumulation_steps} (chosen after an out-of-memory error)")
     if acc.is_main_process:  # the saved partial log interval (all processes' sums) continues here once
-        sums.values.copy_(torch.tensor(progress.log_sums, device=acc.device))
+        saved = torch.tensor(progress.log_sums, device=acc.device)  # 4 values before the row count existed
+        sums.values[: len(saved)] = saved
         ckpt.trim_metrics(run.metrics_file, progress.step)  # the steps after the checkpoint are logged again
     logger.info(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, "
                 f"{progress.batches_in_epoch} batches in)")
@@ -376,10 +378,12 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
         faults.signal_point("batch", progress.epoch * len(run.train_loader) + progress.batches_in_epoch, run.run_dir,
                             run.guard)
         labels, weight, window_samples = batch.pop("labels"), batch.pop("sample_weight"), batch.pop("window_samples")
+        batch.pop("doc", None)  # which text a window belongs to: evaluation's concern
         with acc.accumulate(run.model), run.oom:
             faults.oom_point("oom_at_step", progress.step + 1, (progress.batches_in_epoch - 1) % G, G)
             logits = packed_logits(run.model, batch) if cfg.data.packing else run.model(**batch).logits
-            loss_per_sample = fp32_per_sample_loss(logits, labels, cfg.model.problem_type)
+            gamma = cfg.train.focal_gamma if cfg.train.loss == "focal" else None
+            loss_per_sample = fp32_per_sample_loss(logits, labels, cfg.model.problem_type, gamma)
             per_sample = faults.nonfinite_point(loss_per_sample * weight, progress.step + 1)
             # Exact accumulation: sum over the window's true sample count (short tail window and
             # all processes included); x G x P cancels Accelerate's /G and DDP's mean.
@@ -389,8 +393,10 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
             return "out_of_memory"
         window += torch.stack([per_sample.detach().sum(), weight.sum()])
         lengths = batch["sequence_lengths"] if cfg.data.packing else batch["attention_mask"].sum(-1)
-        sums.values[2] += (lengths * weight).sum()  # weight-0 fill rows are waste
+        live = (weight > 0).float()  # weight-0 fill rows are waste
+        sums.values[2] += (lengths * live).sum()
         sums.values[3] += batch["input_ids"].numel()
+        sums.values[4] += live.sum()
         if acc.sync_gradients:
             optimizer_step(run, progress, window, sums)
             return "step"
@@ -482,11 +488,11 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
 
 def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     """One training row of metrics.jsonl (and the trackers); the interval's sums start again."""
-    loss, samples, real, total = sums.reduce(run.accelerator)
+    loss, weight, real, total, samples = sums.reduce(run.accelerator)
     row = {
         "step": progress.step,
         "epoch": progress.epoch,
-        "loss": loss / max(samples, 1.0),
+        "loss": loss / max(weight, 1e-12),
         "lr": run.scheduler.get_last_lr()[0],
         "samples_per_s": samples / max(time.perf_counter() - sums.started, 1e-9),
         "padding_fraction": 1.0 - real / max(total, 1.0),  # weight-0 fill rows count as padding
@@ -511,10 +517,22 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     sums.started += time.perf_counter() - started
 
 
+def prediction_config(cfg: Config, label_names: list[str], thresholds: list[float] | None) -> dict[str, Any]:
+    """final/config.json entries that make `finetune predict` read texts as evaluation did."""
+    d, extra = cfg.data, {}
+    if thresholds:
+        extra["label_thresholds"] = dict(zip(label_names, thresholds, strict=True))
+    if d.chunk_stride is not None:
+        extra.update(chunk_stride=d.chunk_stride, chunk_aggregate=d.chunk_aggregate)
+    if d.truncation is not None:
+        extra.update(truncation=d.truncation, head_fraction=d.head_fraction)
+    return extra
+
+
 def evaluate_split(run: Run, loader: Any, fault_step: int = 0, thresholds: list[float] | None = None) -> dict:
     """`metrics.evaluate` of the run's model on one prepared loader, for the run's problem type."""
     return evaluate(run.model, loader, run.accelerator, run.data.label_names, fault_step,
-                    run.cfg.model.problem_type, thresholds)
+                    run.cfg.model.problem_type, thresholds, run.cfg.data.chunk_aggregate)
 
 
 def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
@@ -563,8 +581,8 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         final["test"] = evaluate_split(run, run.test_loader, thresholds=thresholds)
         acc.log({k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},
                 step=progress.step)
-    label_thresholds = dict(zip(run.data.label_names, thresholds, strict=True)) if thresholds else None
-    ckpt.export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length, label_thresholds)
+    ckpt.export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length,
+                      prediction_config(cfg, run.data.label_names, thresholds))
     if acc.is_main_process:
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         if run.metrics_file.exists():
