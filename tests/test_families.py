@@ -12,6 +12,7 @@ bf16 / bf16-true on one encoder (DeBERTa-v2, v3-style relative attention) and on
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,30 @@ def test_family_trains_exports_and_reloads(
     want = _reference_logits(run, cfg)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert want.std() > 0  # not a constant model
+    if lora:  # final/adapter: adapters + the whole head, onto the base weights, give the same logits
+        torch.testing.assert_close(_adapter_logits(run, cfg, family), want, rtol=1e-4, atol=1e-5)
+
+
+def _adapter_logits(run: Path, cfg_path: Path, family: str) -> torch.Tensor:
+    """final/adapter loaded with peft onto the frozen base weights (taken from the checkpoint), each text alone."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    adapter = load_file(str(run / "final" / "adapter" / "adapter_model.safetensors"))
+    heads = EXPECTED_HEADS.get(family, ["classifier"])
+    assert any("lora_A" in k for k in adapter) and not any("base_layer" in k for k in adapter)
+    assert {k.split(".")[2] for k in adapter if "lora_" not in k} == set(heads)  # the head, all of it
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    base = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(run / "final"))
+    state = load_file(str(ckpt.list_checkpoints(run)[-1] / "model.safetensors"))
+    state = {k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
+             for k, v in state.items() if "lora_" not in k and ".modules_to_save." not in k}
+    base.load_state_dict(state, strict=True)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = PeftModel.from_pretrained(base, run / "final" / "adapter").eval()
+    with torch.no_grad():
+        return torch.cat([model(**tok(t, return_tensors="pt")).logits for t in TEXTS])
 
 
 # ----------------------------------------------------------------------------------------------
