@@ -312,8 +312,18 @@ def add_lora(model: PreTrainedModel, lora: Any) -> Any:
 
 
 def exportable(model: torch.nn.Module) -> PreTrainedModel:
-    """The plain transformers model to export: LoRA adapters merged (so loading needs no peft)."""
+    """The plain transformers model to export: LoRA adapters merged (so loading needs no peft).
+
+    The adapted layers are merged in fp32: a bf16 base weight (bf16-true) would round the LoRA
+    update, small next to the weight, partly or wholly away (8-bit mantissa); final/'s config says
+    float32, so loaders upcast the rest.
+    """
     if hasattr(model, "merge_and_unload"):
+        from peft.tuners.lora import LoraLayer
+
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.get_base_layer().float()
         return model.merge_and_unload()
     return model  # type: ignore[return-value]
 

@@ -400,6 +400,12 @@ def test_bf16_modes_train_and_keep_buffers_fp32(family: str, mode: str, tokenize
         assert "param:bfloat16" in audit["by_module_type"]["Linear"]
         saved = load_file(str(ckpt.list_checkpoints(run)[-1] / "model.safetensors"))
         assert any(t.dtype == torch.bfloat16 for t in saved.values())
+    if family == "llama":  # final/ (LoRA merged in fp32) = the checkpoint's unmerged model, text by text
+        from transformers import pipeline
+
+        clf = pipeline("text-classification", model=str(run / "final"), top_k=None, function_to_apply="none")
+        got = torch.tensor([[next(d["score"] for d in row if d["label"] == n) for n in NAMES] for row in clf(TEXTS)])
+        torch.testing.assert_close(got, _reference_logits(run, cfg), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "modernbert", "gemma"])
