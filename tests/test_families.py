@@ -472,3 +472,16 @@ def test_the_planner_runs_for_every_family(tokenizers: dict[str, Path], tmp_path
         peaks[family] = result.rows[0].peak_bytes
         assert result.rows[0].categories["parameters"] > 0
     assert all(p > 0 for p in peaks.values()), peaks
+
+
+def test_fp16_gemma_is_one_line_through_main(
+    tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """On a GPU the device check passes and the family refusal speaks; simulated here by lifting the CPU check."""
+    monkeypatch.setattr(runtime, "check_supported", lambda mode, device: None)
+    cfg = family_config(tmp_path, "gemma", tokenizers, **{"precision.mode": "fp16"})
+    assert main(["--config", str(cfg)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["error: precision.mode=fp16: Gemma's activations exceed fp16's range (its checkpoints are bf16); "
+                   "use precision.mode=bf16 or fp32"], err
+    assert not (tmp_path / "run").exists()
