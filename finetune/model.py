@@ -223,7 +223,8 @@ def use_pad_token(model: PreTrainedModel, tokenizer: Any) -> None:
 
 
 # Classification heads of the families tested (tests/test_families.py): what `head_names` finds,
-# trained in full under LoRA (peft `modules_to_save`), never LoRA-targeted, merged into final/.
+# trained in full under LoRA (peft `modules_to_save`), never LoRA-targeted, merged into final/; the
+# names `head_names` falls back to for a model whose base model is not a direct child.
 HEAD_NAMES = ("pre_classifier", "classifier", "score", "pooler", "head")
 
 
@@ -239,7 +240,10 @@ def head_names(model: PreTrainedModel) -> list[str]:
     model (`score`; `classifier`; DistilBERT's `pre_classifier` + `classifier`; DeBERTa's `pooler`
     + `classifier`; ModernBERT's `head` + `classifier`)."""
     base = getattr(model, "base_model_prefix", "")
-    return [n for n, c in model.named_children() if n != base and any(True for _ in c.parameters())]
+    children = dict(model.named_children())
+    if base not in children:  # a remote-code model without the usual layout: the known head names only
+        return [n for n in HEAD_NAMES if isinstance(children.get(n), torch.nn.Module)]
+    return [n for n, c in children.items() if n != base and any(True for _ in c.parameters())]
 
 
 # LoRA targets when `model.lora.target_modules` is unset: the attention's query and value

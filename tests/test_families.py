@@ -485,3 +485,10 @@ def test_fp16_gemma_is_one_line_through_main(
     assert err == ["error: precision.mode=fp16: Gemma's activations exceed fp16's range (its checkpoints are bf16); "
                    "use precision.mode=bf16 or fp32"], err
     assert not (tmp_path / "run").exists()
+
+
+def test_head_names_fall_back_to_known_names(tokenizers: dict[str, Path], tmp_path: Path) -> None:
+    _, model = _built("distilbert", tokenizers, tmp_path)
+    assert head_names(model) == ["pre_classifier", "classifier"]
+    model.base_model_prefix = "not_a_child"  # a remote-code model without the usual layout
+    assert head_names(model) == ["pre_classifier", "classifier"]
