@@ -466,8 +466,11 @@ def test_the_planner_runs_for_every_family(tokenizers: dict[str, Path], tmp_path
 
     peaks = {}
     for family in FAMILIES:
-        lora = {"model.lora": {"r": 4}, "model.gradient_checkpointing": True} if family in ("llama", "roberta") else {}
-        cfg = load_config(family_config(tmp_path / family, family, tokenizers, **lora, **{"data.max_length": 16}))
+        lora = {"model.lora": {"r": 4}, "model.gradient_checkpointing": True} if family == "llama" else {}
+        layers = "n_layers" if family == "distilbert" else "num_hidden_layers"  # 1 layer: the cost is per op
+        arch = {"model_type": family, **FAMILIES[family][1], layers: 1}
+        cfg = load_config(family_config(tmp_path / family, family, tokenizers, **lora,
+                                        **{"data.max_length": 8, "model.architecture": arch}))
         result = plan(cfg, device="cpu", micro_sizes=[16], label_names=NAMES)  # one micro-batch a window
         peaks[family] = result.rows[0].peak_bytes
         assert result.rows[0].categories["parameters"] > 0
