@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -638,25 +639,28 @@ def export_final(
     max_length: int,
     extra_config: dict[str, Any] | None = None,
 ) -> None:
-    """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline).
+    """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline);
+    with LoRA the weights are merged and `final/adapter/` holds the adapters and the trained head.
 
     The tokenizer carries the run's `data.max_length` as `model_max_length` (right truncation, as
     in training), so `finetune predict` and `pipeline(..., truncation=True)` on final/ alone cut
     texts where training did.
     """
     accelerator.wait_for_everyone()
+    # written beside it, then renamed: a kill during the export never leaves a half-written final/
+    tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
+    if accelerator.is_main_process:
+        remove_tree(tmp)
+    peft_model = accelerator.unwrap_model(model)
+    if hasattr(peft_model, "peft_config"):  # LoRA: the adapters and the head first, as trained (unmerged)
+        adapter_state = accelerator.get_state_dict(model)  # every rank: a collective under FSDP / ZeRO-3
+        if accelerator.is_main_process:
+            save_adapter(peft_model, adapter_state, tmp / "adapter")
     # LoRA: merge the adapters into the base weights so final/ loads without peft
-    model = (
-        exportable(accelerator.unwrap_model(model))
-        if hasattr(accelerator.unwrap_model(model), "merge_and_unload")
-        else model
-    )
+    model = exportable(peft_model) if hasattr(peft_model, "merge_and_unload") else model
     # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the full state dict is a collective
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        # written beside it, then renamed: a kill during the export never leaves a half-written final/
-        tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
-        remove_tree(tmp)
         unwrapped = accelerator.unwrap_model(model)
         bars = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()  # no "Writing model shards 1/1" bar after the run
@@ -681,6 +685,23 @@ def export_final(
         remove_tree(out)
         tmp.rename(out)
     accelerator.wait_for_everyone()
+
+
+def save_adapter(peft_model: Any, state_dict: dict[str, Any], out: Path) -> None:
+    """peft's adapter directory (adapter_config.json, adapter_model.safetensors): the LoRA weights and
+    the whole classification head (`modules_to_save`, under peft's own key names), without the base
+    weights. Embedding rows of an added pad token are not in it: final/'s tokenizer says how many
+    rows the base needs (`resize_token_embeddings(len(tokenizer))` before `PeftModel.from_pretrained`)."""
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True,
+                                       save_embedding_layers=False)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def check_output_dir(cfg: Config) -> Path:

@@ -129,7 +129,11 @@ class LoraConfig(_Section):
     r: PositiveInt = 8
     alpha: PositiveFloat = 16.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = ["query", "value"]
+    target_modules: list[str] | None = Field(
+        None,
+        description="module names to wrap with adapters; unset = the family's query and value projections "
+        "(query/value, q_proj/v_proj, q_lin/v_lin, Wqkv, qkv_proj); the classification head is never a target",
+    )
 
 
 class ModelConfig(_Section):

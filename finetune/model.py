@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from finetune.config import Config
 from finetune.errors import UserError
+from finetune.precision import within
 
 logger = logging.getLogger("finetune")
 transformers.logging.set_verbosity_error()
@@ -72,10 +73,84 @@ def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
 
 
 def build_tokenizer(cfg: Config) -> Any:
-    """The tokenizer named by `model.tokenizer` (or `model.name_or_path`)."""
+    """The tokenizer named by `model.tokenizer` (or `model.name_or_path`), with a pad token.
+
+    A tokenizer without one (Llama 3 and Mistral ship none) gets a provisional pad here: its eos,
+    else its unk, else a new `<|pad|>` token. `choose_pad_token` confirms or replaces it once the
+    data is tokenized.
+
+    Raises:
+        UserError: the tokenizer cannot be loaded.
+    """
     name = cfg.model.tokenizer or cfg.model.name_or_path
     assert name is not None
-    return _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.finetune_pad_candidates = pad_candidates(tokenizer)
+        _set_pad_token(tokenizer, tokenizer.finetune_pad_candidates[0])
+    return tokenizer
+
+
+NEW_PAD_TOKEN = "<|pad|>"
+
+
+def pad_candidates(tokenizer: Any) -> list[str]:
+    """Pad tokens to try, in order, for a tokenizer that has none: eos, unk, a new `<|pad|>`."""
+    found = [t for t in (tokenizer.eos_token, tokenizer.unk_token) if isinstance(t, str)]
+    return list(dict.fromkeys([*found, NEW_PAD_TOKEN]))
+
+
+def _set_pad_token(tokenizer: Any, token: str) -> None:
+    if token in tokenizer.get_vocab():
+        tokenizer.pad_token = token
+    else:  # a new special token: build_model grows the embeddings to len(tokenizer)
+        tokenizer.add_special_tokens({"pad_token": token})
+
+
+def _ids_in_use(splits: list[Any]) -> set[int]:
+    """Token ids that occur where `attention_mask` is 1 in tokenized datasets (arrow: no Python loop)."""
+    import pyarrow.compute as pc
+
+    used: set[int] = set()
+    for ds in splits:
+        if ds is None or len(ds) == 0:
+            continue
+        table = ds.with_format("arrow")[:]
+        ids = table.column("input_ids").combine_chunks().flatten()
+        if "attention_mask" in table.column_names:
+            ids = pc.filter(ids, pc.equal(table.column("attention_mask").combine_chunks().flatten(), 1))
+        used.update(pc.unique(ids).to_pylist())
+    return used
+
+
+def choose_pad_token(tokenizer: Any, splits: list[Any]) -> str | None:
+    """Make sure the pad id never occurs where `attention_mask` is 1 in the tokenized `splits`.
+
+    Decoder classifiers pool the last token that is not the pad id (transformers reads
+    `config.pad_token_id`): an eos appended by the tokenizer with pad = eos would move the pooled
+    token. A pad chosen by `build_tokenizer` moves on to the next candidate (unk, then a new
+    token); a pad the tokenizer ships is refused. Returns the line to log about a chosen pad (logged
+    once the run directory exists, so that an error stays the only line of a refused run).
+
+    Raises:
+        UserError: the tokenizer's own pad token occurs inside the texts.
+    """
+    used = _ids_in_use(splits)
+    candidates = getattr(tokenizer, "finetune_pad_candidates", None)
+    if candidates is None:
+        if tokenizer.pad_token_id in used:
+            raise UserError(
+                f"the tokenizer's pad token {tokenizer.pad_token!r} (id {tokenizer.pad_token_id}) occurs inside the "
+                "tokenized texts: padding could not be told from text (decoder classifiers pool the last non-pad "
+                "token); remove it from the data or use a tokenizer whose pad token is not part of the texts"
+            )
+        return None
+    vocab = tokenizer.get_vocab()
+    for token in candidates:
+        if vocab.get(token) not in used:  # a token not in the vocabulary yet never occurs
+            _set_pad_token(tokenizer, token)
+            return f"the tokenizer has no pad token: padding with {token!r} (id {tokenizer.pad_token_id})"
+    raise AssertionError("a new pad token cannot occur in already tokenized data")
 
 
 def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrainedModel:
@@ -93,7 +168,8 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
         if model_type is None:
             raise UserError("model.architecture needs a model_type (e.g. bert)")
         arch.setdefault("vocab_size", len(tokenizer))
-        arch.setdefault("pad_token_id", tokenizer.pad_token_id)
+        for key in ("pad", "bos", "eos", "cls", "sep"):  # the family defaults may lie outside a small vocab
+            arch.setdefault(f"{key}_token_id", getattr(tokenizer, f"{key}_token_id", None))
         try:
             config = AutoConfig.for_model(
                 model_type, num_labels=len(label_names), id2label=id2label, label2id=label2id,
@@ -116,6 +192,7 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
             trust_remote_code=m.trust_remote_code,
             dtype=torch.float32,
         )
+    use_pad_token(model, tokenizer)
     if m.gradient_checkpointing:
         # non-reentrant: works with frozen inputs and under torch.compile. transformers 5 renamed the
         # method (the old name prints a FutureWarning on every run); older releases only have the old one
@@ -135,8 +212,22 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
     return model
 
 
-# Classification heads trained in full under LoRA (peft `modules_to_save`), by HF attribute name.
-HEAD_NAMES = ("pre_classifier", "classifier", "score")
+def use_pad_token(model: PreTrainedModel, tokenizer: Any) -> None:
+    """The tokenizer's pad id into `model.config` (decoder pooling reads it; so do pipelines on
+    final/), and room in the embeddings for a pad token `build_tokenizer` added."""
+    if tokenizer.pad_token_id is None:
+        return
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        # the new row is never attended to: plain initialisation is enough (mean_resizing would
+        # compute a covariance over the whole vocabulary)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+
+# Classification heads of the families tested (tests/test_families.py): what `head_names` finds,
+# trained in full under LoRA (peft `modules_to_save`), never LoRA-targeted, merged into final/; the
+# names `head_names` falls back to for a model whose base model is not a direct child.
+HEAD_NAMES = ("pre_classifier", "classifier", "score", "pooler", "head")
 
 
 def freeze_embeddings(model: PreTrainedModel) -> None:
@@ -146,27 +237,77 @@ def freeze_embeddings(model: PreTrainedModel) -> None:
         p.requires_grad_(False)
 
 
-def add_lora(model: PreTrainedModel, lora: Any) -> Any:
-    """Wrap in peft LoRA adapters on `lora.target_modules`; the classification head trains in full.
+def head_names(model: PreTrainedModel) -> list[str]:
+    """The classification head: the classifier's top-level modules with parameters outside its base
+    model (`score`; `classifier`; DistilBERT's `pre_classifier` + `classifier`; DeBERTa's `pooler`
+    + `classifier`; ModernBERT's `head` + `classifier`)."""
+    base = getattr(model, "base_model_prefix", "")
+    children = dict(model.named_children())
+    if base not in children:  # a remote-code model without the usual layout: the known head names only
+        return [n for n in HEAD_NAMES if isinstance(children.get(n), torch.nn.Module)]
+    return [n for n, c in children.items() if n != base and any(True for _ in c.parameters())]
+
+
+# LoRA targets when `model.lora.target_modules` is unset: the attention's query and value
+# projections (fused qkv where the family fuses them); other families take peft's own table.
+LORA_TARGETS = {
+    "bert": ["query", "value"], "roberta": ["query", "value"], "xlm-roberta": ["query", "value"],
+    "electra": ["query", "value"], "deberta-v2": ["query_proj", "value_proj"], "distilbert": ["q_lin", "v_lin"],
+    "modernbert": ["Wqkv"], "phi3": ["qkv_proj"], "phi": ["q_proj", "v_proj"],
+}  # fmt: skip
+
+
+def lora_targets(model: PreTrainedModel, configured: list[str] | None) -> list[str]:
+    """`model.lora.target_modules`, or the family's default (query and value projections).
 
     Raises:
-        UserError: peft is missing or the target modules do not exist.
+        UserError: no default is known for this family and none is configured.
+    """
+    if configured:
+        return list(configured)
+    kind = model.config.model_type
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_TARGETS
+
+    found = LORA_TARGETS.get(kind) or PEFT_TARGETS.get(kind)
+    if not found:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, x in model.named_modules() if isinstance(x, torch.nn.Linear)})
+        raise UserError(f"model.lora.target_modules: no default for model type {kind!r}; choose among {linear}")
+    return list(found)
+
+
+def add_lora(model: PreTrainedModel, lora: Any) -> Any:
+    """Wrap in peft LoRA adapters on `lora.target_modules`; the classification head (`head_names`)
+    trains in full (`modules_to_save`: saved with the adapters, merged into final/) and is never
+    LoRA-targeted itself, even where its layers share a name with targets (`dense`, `out_proj`).
+
+    Raises:
+        UserError: peft is missing or the target modules do not exist outside the head.
     """
     from peft import LoraConfig, TaskType, get_peft_model
 
-    heads = [n for n in HEAD_NAMES if isinstance(getattr(model, n, None), torch.nn.Module)]
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    missing = [t for t in lora.target_modules if t not in names]
-    if missing:
+    heads = head_names(model)
+    in_head = [n for n, _ in model.named_modules() if n and within(n, heads)]
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if n and not within(n, heads)}
+    targets = lora_targets(model, lora.target_modules)
+    head_only = [t for t in targets if t not in names and any(n.rsplit(".", 1)[-1] == t for n in in_head)]
+    if head_only:
         raise UserError(
-            f"model.lora.target_modules: {missing} are not module names of this model (e.g. query, key, value, dense)"
+            f"model.lora.target_modules: {head_only} name only modules of the classification head {heads}, which "
+            "trains in full without adapters: remove them"
+        )
+    missing = [t for t in targets if t not in names]
+    if missing:
+        example = ", ".join(LORA_TARGETS.get(model.config.model_type, ["query", "value"]))
+        raise UserError(
+            f"model.lora.target_modules: {missing} are not module names of this model (e.g. {example})"
         )
     config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=targets,
+        exclude_modules=in_head or None,
         modules_to_save=heads,
     )
     with warnings.catch_warnings():
@@ -177,8 +318,18 @@ def add_lora(model: PreTrainedModel, lora: Any) -> Any:
 
 
 def exportable(model: torch.nn.Module) -> PreTrainedModel:
-    """The plain transformers model to export: LoRA adapters merged (so loading needs no peft)."""
+    """The plain transformers model to export: LoRA adapters merged (so loading needs no peft).
+
+    The adapted layers are merged in fp32: a bf16 base weight (bf16-true) would round the LoRA
+    update, small next to the weight, partly or wholly away (8-bit mantissa); final/'s config says
+    float32, so loaders upcast the rest.
+    """
     if hasattr(model, "merge_and_unload"):
+        from peft.tuners.lora import LoraLayer
+
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                module.get_base_layer().float()
         return model.merge_and_unload()
     return model  # type: ignore[return-value]
 

@@ -56,6 +56,26 @@ def check_supported(mode: str, device: torch.device) -> None:
         raise UserError(f"precision.mode={mode}: this GPU has no bf16 support; use fp16 or fp32")
 
 
+# Families refused in fp16 (mixed precision with a GradScaler), with the reason; every other family
+# is accepted in fp16 on CUDA (fp32 master weights, autocast, loss scaling). README: "Bring your own model".
+FP16_REFUSED = {
+    "gemma": "Gemma's activations exceed fp16's range (its checkpoints are bf16)",
+    "gemma2": "Gemma 2's activations exceed fp16's range (its checkpoints are bf16)",
+    "gemma3": "Gemma 3's activations exceed fp16's range (its checkpoints are bf16)",
+    "gemma3_text": "Gemma 3's activations exceed fp16's range (its checkpoints are bf16)",
+}
+
+
+def check_family_precision(model_type: str | None, mode: str) -> None:
+    """Refuse precision modes a model family cannot train in.
+
+    Raises:
+        UserError: the family is refused in this mode (`FP16_REFUSED`).
+    """
+    if mode == "fp16" and model_type in FP16_REFUSED:
+        raise UserError(f"precision.mode=fp16: {FP16_REFUSED[model_type]}; use precision.mode=bf16 or fp32")
+
+
 def fp32_norms_enabled(mode: str, fp32_norms: bool | None) -> bool:
     """`precision.fp32_norms`, resolved: unset means on for bf16-true and off otherwise
     (mixed modes already hold fp32 norm weights, and CUDA autocast runs norms in fp32)."""
@@ -174,18 +194,20 @@ def apply_precision_policy(
     Call after building the model (gradient checkpointing included) and before the optimizer
     and torch.compile. Also makes `load_state_dict` accept `_orig_mod.`-prefixed keys.
     """
+    check_family_precision(getattr(getattr(model, "config", None), "model_type", None), mode)
     norms = find_norm_modules(model, norm_class_names) if fp32_norms_enabled(mode, fp32_norms) else {}
     if mode == "bf16-true":
-        # cast everything outside the norms (not all, then norms back: that would round their weights)
+        # cast the parameters outside the norms (not all, then norms back: that would round their
+        # weights). Float buffers stay fp32: they are constants the model reads (rotary `inv_freq`,
+        # Gemma's `embed_scale`), and a bf16 `inv_freq` puts position errors of several tokens into
+        # long sequences (relative error 2**-9: up to 8 positions at position 4096); the models cast them
+        # where they use them. Norm buffers follow the norm.
         for name, module in model.named_modules():
             if within(name, norms):
                 continue
             for p in module.parameters(recurse=False):
                 if p.is_floating_point():
                     p.data = p.data.to(torch.bfloat16)
-            for bname, b in module.named_buffers(recurse=False):
-                if b is not None and b.is_floating_point():
-                    setattr(module, bname, b.to(torch.bfloat16))
     for module in norms.values():
         keep_norm_fp32(module)
     if not getattr(model, "_strips_compile_prefix", False):
@@ -337,9 +359,10 @@ def dtype_audit(
     *,
     norm_names: Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    """Parameter and buffer counts/bytes per dtype and per module type, and every floating
-    tensor whose dtype contradicts the policy (fp32 master weights in fp32/fp16/bf16; in
-    bf16-true bf16 everywhere except norms, which are fp32 when fp32 norms are on)."""
+    """Parameter and buffer counts/bytes per dtype and per module type (`by_module_type` keys
+    `param:<dtype>` / `buffer:<dtype>`), and every floating tensor whose dtype contradicts the
+    policy: fp32 master weights in fp32/fp16/bf16; in bf16-true bf16 parameters except norms, which
+    are fp32 when fp32 norms are on; floating buffers fp32 in every mode (rotary `inv_freq` & co)."""
     keep_fp32 = fp32_norms_enabled(mode, fp32_norms)
     norms = set(norm_names) if norm_names is not None else set(find_norm_modules(model, norm_class_names))
     totals: dict[str, dict[str, dict[str, int]]] = {"param": {}, "buffer": {}}
@@ -365,8 +388,8 @@ def dtype_audit(
                 bucket["bytes"] += t.numel() * t.element_size()
             if not t.is_floating_point():
                 continue  # position ids, num_batches_tracked: integer by design
-            if mode != "bf16-true":
-                expected = torch.float32
+            if mode != "bf16-true" or kind == "buffer":
+                expected = torch.float32  # master weights, and buffers in every mode (model constants)
             else:
                 expected = torch.float32 if (in_norm and keep_fp32) else torch.bfloat16
             if t.dtype != expected:

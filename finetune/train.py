@@ -35,7 +35,15 @@ from finetune.config import Config, dump_config, load_config
 from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
 from finetune.errors import UserError
 from finetune.metrics import eval_row, evaluate, final_summary, headline, plot_curves, record_row
-from finetune.model import attention_cost, build_model, build_tokenizer, check_packing, count_parameters, packed_logits
+from finetune.model import (
+    attention_cost,
+    build_model,
+    build_tokenizer,
+    check_packing,
+    choose_pad_token,
+    count_parameters,
+    packed_logits,
+)
 from finetune.optim import (
     build_optimizer,
     build_scheduler,
@@ -157,6 +165,7 @@ def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
     # Everything that can fail on user input happens before the output directory is touched.
     tokenizer = build_tokenizer(cfg)
     data = build_data(cfg, tokenizer)
+    pad_note = choose_pad_token(tokenizer, [data.train, data.validation, data.test])  # pad never inside a text
     model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer)
     P = accelerator.num_processes
     micro, G = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
@@ -173,6 +182,8 @@ def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
     setup_logging(accelerator, run_dir)
     logger.info(format_data_report(data.report))
     logger.info(format_audit(audit))
+    if pad_note:
+        logger.info(pad_note)
     trainable, total_params = count_parameters(model)
     logger.info(
         f"model: {trainable:,} trainable / {total_params:,} parameters; {len(data.label_names)} labels; "

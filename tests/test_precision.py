@@ -63,10 +63,10 @@ def batch(seed: int = 0, n: int = 4, length: int = 12) -> dict[str, torch.Tensor
 
 
 def assert_bf16_true_dtypes(model: nn.Module, extra_norms: tuple[str, ...] = ()) -> None:
-    """Every norm parameter/buffer (floating) fp32, every other floating parameter bf16."""
+    """Every norm parameter and every floating buffer fp32, every other floating parameter bf16."""
     norms = find_norm_modules(model, extra_norms)
     assert norms, "the model has norm modules"
-    norm_tensors = {id(t) for m in norms.values() for t in (*m.parameters(), *m.buffers())}
+    norm_tensors = {id(t) for m in norms.values() for t in m.parameters()} | {id(t) for t in model.buffers()}
     n_norm = n_other = 0
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if not t.is_floating_point():
@@ -186,7 +186,7 @@ def test_custom_norm_class_listed_in_config_stays_fp32(listed: bool) -> None:
     apply_precision_policy(model, "bf16-true", None, extra)
     sn = model.bert.encoder.layer[0].output.LayerNorm
     want = torch.float32 if listed else torch.bfloat16
-    assert sn.gain.dtype == want and sn.eps.dtype == want
+    assert sn.gain.dtype == want and sn.eps.dtype == torch.float32  # float buffers stay fp32 in any case
     logits = model(**batch()).logits
     assert sn.seen == [want] and logits.dtype == torch.bfloat16
     audit = dtype_audit(model, "bf16-true", None, extra)
@@ -241,7 +241,7 @@ def test_audit_flags_planted_wrong_dtype_tensors() -> None:
     assert got == {
         ("classifier.weight", "param", "float32", "bfloat16"),
         ("bert.encoder.layer.1.output.LayerNorm.bias", "param", "bfloat16", "float32"),
-        ("bert.embeddings.scale", "buffer", "float64", "bfloat16"),
+        ("bert.embeddings.scale", "buffer", "float64", "float32"),  # buffers: fp32 in every mode
     }
     table = format_audit(audit)
     assert "3 tensor(s) contradict" in table and "classifier.weight" in table
