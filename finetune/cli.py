@@ -293,12 +293,34 @@ def _cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_config(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune config", description="The config schema, and a config as the run would resolve it."
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--show", metavar="CONFIG", help="print CONFIG resolved (defaults filled, overrides applied)")
+    what.add_argument("--schema", action="store_true", help="print the JSON Schema of a config file (for editors)")
+    what.add_argument("--markdown", action="store_true", help="print the configuration reference (docs/CONFIG.md)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides (with --show)")
+    args = parser.parse_args(argv)
+    from finetune.config import dump_config, json_schema, load_config, schema_markdown
+
+    if args.show is None and args.overrides:
+        raise UserError("overrides go with --show CONFIG")
+    if args.show is not None:
+        print(dump_config(load_config(args.show, args.overrides)), end="")
+    else:
+        print(json_schema() if args.schema else schema_markdown(), end="")
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train,
     "plan": _cmd_plan,
     "evaluate": _cmd_evaluate,
     "predict": _cmd_predict,
     "report": _cmd_report,
+    "config": _cmd_config,
 }
 
 

@@ -8,8 +8,11 @@ did-you-mean suggestion, and every problem is reported at once in one `UserError
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -113,9 +116,12 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     """`run`: where the run writes, its seed, and whether a non-empty output directory may be replaced."""
 
-    output_dir: str
-    seed: int = 42
-    overwrite: bool = False
+    output_dir: str = Field(description="the run directory: checkpoints, metrics.jsonl, eval.json, final/")
+    seed: int = Field(42, description="seed of weights init, data order, dropout and the validation split")
+    overwrite: bool = Field(
+        False,
+        description="replace a non-empty run directory of an earlier run (only a finetune run's: it holds config.yaml)",
+    )
     num_threads: PositiveInt | Literal["auto"] = Field(
         "auto",
         description="CPU threads per process for torch's intra-op work; auto = the cores this process may use "
@@ -126,9 +132,9 @@ class RunConfig(_Section):
 class LoraConfig(_Section):
     """`model.lora`: peft LoRA adapters (rank, scale, dropout, the modules they wrap)."""
 
-    r: PositiveInt = 8
-    alpha: PositiveFloat = 16.0
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    r: PositiveInt = Field(8, description="LoRA rank of the adapter matrices")
+    alpha: PositiveFloat = Field(16.0, description="LoRA scale numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA input")
     target_modules: list[str] | None = Field(
         None,
         description="module names to wrap with adapters; unset = the family's query and value projections "
@@ -144,17 +150,40 @@ class ModelConfig(_Section):
         description="transformers' problem_type, written into final/config.json: one label per text (softmax), "
         "any number of labels per text (sigmoid, per-label thresholds), or a real-valued score (one output)",
     )
-    name_or_path: str | None = "minilm-l6"
-    architecture: dict[str, Any] | None = None
-    tokenizer: str | None = None
-    trust_remote_code: bool = False
-    gradient_checkpointing: bool = False
-    freeze_embeddings: bool = False
-    lora: LoraConfig | None = None
-    compile: bool = False
-    compile_mode: str | None = None
-    compile_dynamic: bool | None = None
-    compile_backend: str = "inductor"
+    name_or_path: str | None = Field(
+        "minilm-l6", description="a local model directory, the package alias minilm-l6, or a hub id (needs network)"
+    )
+    architecture: dict[str, Any] | None = Field(
+        None,
+        description="build a model from scratch from these config keys (model_type and sizes) instead of loading one",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="tokenizer directory/alias/hub id when it differs from model.name_or_path "
+        "(required with architecture)",
+    )
+    trust_remote_code: bool = Field(
+        False, description="let transformers run code shipped with a hub model (off: untrusted code never runs)"
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass (non-reentrant): less memory, ~30% more compute"
+    )
+    freeze_embeddings: bool = Field(
+        False, description="train no embedding parameters (less gradient and optimizer memory)"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train peft LoRA adapters instead of all weights (the classification head trains in full)"
+    )
+    compile: bool = Field(
+        False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
+    )
+    compile_mode: str | None = Field(None, description="torch.compile mode (e.g. max-autotune); null: the default")
+    compile_dynamic: bool | None = Field(
+        None, description="torch.compile dynamic: null lets the first new length make the graph dynamic (recommended)"
+    )
+    compile_backend: str = Field(
+        "inductor", description="torch.compile backend (inductor; aot_eager for fast plumbing tests)"
+    )
 
     @model_validator(mode="after")
     def _source(self) -> ModelConfig:
@@ -168,29 +197,46 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """`data`: files or hub dataset, how to parse them, columns, labels, lengths and slices."""
 
-    data_dir: str | None = None
-    train_file: str | None = None
-    validation_file: str | None = None
-    test_file: str | None = None
-    hub_dataset: str | None = None
-    hub_config: str | None = None
-    hub_train_split: str = "train"
-    hub_validation_split: str | None = "validation"
-    hub_test_split: str | None = None
-    format: Literal["auto", "csv", "tsv", "json", "jsonl", "parquet", "text"] = "auto"
-    delimiter: str | None = None
-    quoting: Literal["minimal", "none"] = "minimal"
-    header: bool = True
-    column_names: list[str] | None = None
-    encoding: str = "utf-8"
-    line_regex: str | None = None
-    text_column: str = "text"
-    text_pair_column: str | None = None
-    label_column: str = "label"
+    data_dir: str | None = Field(None, description="directory the relative data paths are resolved against")
+    train_file: str | None = Field(
+        None,
+        description="training data: a csv/tsv/json/jsonl/parquet/text file, a saved dataset, or a folder with "
+        "one sub-folder per label",
+    )
+    validation_file: str | None = Field(
+        None, description="validation data in the same layout (or use data.validation_split)"
+    )
+    test_file: str | None = Field(None, description="test data, evaluated once at the end on the weights in final/")
+    hub_dataset: str | None = Field(None, description="a HuggingFace hub dataset name instead of files (needs network)")
+    hub_config: str | None = Field(None, description="the hub dataset's configuration name")
+    hub_train_split: str = Field("train", description="the hub split to train on")
+    hub_validation_split: str | None = Field("validation", description="the hub split to validate on (null: none)")
+    hub_test_split: str | None = Field(None, description="the hub split to test on (null: none)")
+    format: Literal["auto", "csv", "tsv", "json", "jsonl", "parquet", "text"] = Field(
+        "auto", description="file format; auto: from the extension"
+    )
+    delimiter: str | None = Field(None, description="csv/tsv field separator; null: comma for csv, tab for tsv")
+    quoting: Literal["minimal", "none"] = Field(
+        "minimal", description="csv/tsv quoting: minimal (quote-aware) or none (quotes are text: STS-B, MRPC, SST-2)"
+    )
+    header: bool = Field(True, description="the first csv/tsv line names the columns")
+    column_names: list[str] | None = Field(None, description="column names for a file without a header (or to rename)")
+    encoding: str = Field("utf-8", description="text encoding of the data files (utf-8-sig strips a BOM)")
+    line_regex: str | None = Field(
+        None, description="text files: a regular expression with named groups for the text and label columns"
+    )
+    text_column: str = Field("text", description="the column holding the text")
+    text_pair_column: str | None = Field(
+        None, description="a second text per row (sentence pairs: NLI, paraphrase, similarity)"
+    )
+    label_column: str = Field(
+        "label",
+        description="the column holding the label (single label, a list for multi-label, or a number for regression)",
+    )
     label_delimiter: str | None = Field(
         None,
         description="multi-label: the label column holds names or ids joined by this string (e.g. ','); "
-        "without it a JSON list ('[\"a\", \"b\"]') or a list value is read",
+        'without it a JSON list (\'["a", "b"]\') or a list value is read',
     )
     label_columns: list[str] | None = Field(
         None, description="multi-label: one 0/1 column per label (the column names are the label names)"
@@ -209,10 +255,20 @@ class DataConfig(_Section):
         description="undecodable bytes: strict = one-line error naming the file; replace = U+FFFD (e.g. one "
         "odd file in a folder-per-label corpus)",
     )
-    labels: list[str] | None = None
-    label_map: dict[str, str] | None = None
-    validation_split: float | None = Field(None, gt=0.0, lt=1.0)
-    max_length: PositiveInt = 128
+    labels: list[str] | None = Field(None, description="label names in id order; labels outside it are an error")
+    label_map: dict[str, str] | None = Field(
+        None, description="raw label -> name (e.g. {0: negative, 1: positive}); the names' order gives the ids"
+    )
+    validation_split: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="fraction of train held out for validation (seeded, stratified for single-label; copies of a "
+        "text stay together)",
+    )
+    max_length: PositiveInt = Field(
+        128, description="tokens per row; longer texts are truncated (data.truncation) or windowed (data.chunk_stride)"
+    )
     truncation: Literal["head", "tail", "head_tail"] | None = Field(
         None,
         description="what a text longer than max_length keeps: its start (head, the default), its end (tail), or "
@@ -228,13 +284,19 @@ class DataConfig(_Section):
     chunk_aggregate: Literal["mean", "max"] = Field(
         "mean", description="how the windows' logits of one text are combined in evaluation and predict"
     )
-    max_train_samples: PositiveInt | None = None
-    max_eval_samples: PositiveInt | None = None
-    group_by_length: bool = True
+    max_train_samples: PositiveInt | None = Field(
+        None, description="use only the first N training rows (after the validation split)"
+    )
+    max_eval_samples: PositiveInt | None = Field(None, description="use only the first N validation and test rows")
+    group_by_length: bool = Field(
+        True, description="batch similar lengths together within shuffled windows (less padding, same samples per step)"
+    )
     # several training sequences per row with block-diagonal attention (BERT/RoBERTa-family encoders);
     # evaluation and prediction stay unpacked
-    packing: bool = False
-    num_workers: int = Field(0, ge=0)
+    packing: bool = Field(
+        False, description="several training sequences per row with block-diagonal attention (BERT-family encoders)"
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes for training and evaluation")
 
     @field_validator("labels", "label_map", mode="before")
     @classmethod
@@ -280,27 +342,44 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     """`train`: length, batch sizes, optimizer, schedule, clipping, logging/eval intervals, early stopping."""
 
-    epochs: PositiveFloat = 3
-    max_steps: PositiveInt | None = None
-    micro_batch_size: PositiveInt | Literal["auto"] = 32
-    gradient_accumulation_steps: PositiveInt = 1
-    batch_size: PositiveInt | None = (
-        None  # effective batch; alone it replaces micro_batch_size and gradient_accumulation_steps
+    epochs: PositiveFloat = Field(3, description="passes over the training data (fractions allowed)")
+    max_steps: PositiveInt | None = Field(
+        None, description="stop after this many optimizer steps (whichever of epochs and max_steps ends first)"
     )
-    learning_rate: PositiveFloat = 5e-5
-    weight_decay: float = Field(0.01, ge=0.0)
-    warmup_ratio: float = Field(0.06, ge=0.0, lt=1.0)
-    warmup_steps: int | None = Field(None, ge=0)
-    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
-    optimizer: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = "adamw"
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)  # sgd only
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
-    adam_epsilon: PositiveFloat = 1e-8
-    max_grad_norm: PositiveFloat | None = 1.0
-    eval_every_steps: PositiveInt | None = None
-    log_every_steps: PositiveInt = 10
-    nonfinite: Literal["stop", "skip"] = "stop"
+    micro_batch_size: PositiveInt | Literal["auto"] = Field(
+        32, description="samples per forward pass per process; auto: the largest that fits memory.budget_gb"
+    )
+    gradient_accumulation_steps: PositiveInt = Field(
+        1, description="micro-batches summed per optimizer step (exact: the window's full-batch gradient)"
+    )
+    batch_size: PositiveInt | None = Field(
+        None,
+        description="the effective batch (micro-batch x accumulation x processes); alone it replaces "
+        "micro_batch_size and gradient_accumulation_steps, which then follow the process count",
+    )
+    learning_rate: PositiveFloat = Field(5e-5, description="peak learning rate (after warmup)")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW weight decay (not on biases and norm weights)")
+    warmup_ratio: float = Field(0.06, ge=0.0, lt=1.0, description="share of the optimizer steps with a linear warmup")
+    warmup_steps: int | None = Field(None, ge=0, description="warmup in optimizer steps (overrides warmup_ratio)")
+    lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="decay after warmup: linear, cosine or constant"
+    )
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "sgd"] = Field(
+        "adamw",
+        description="adamw (fused where possible), adamw8bit (CUDA, bitsandbytes), adafactor (factored state), sgd",
+    )
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="sgd momentum")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam first-moment decay")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="Adam second-moment decay")
+    adam_epsilon: PositiveFloat = Field(1e-8, description="Adam denominator epsilon")
+    max_grad_norm: PositiveFloat | None = Field(1.0, description="clip the global gradient norm (null: no clipping)")
+    eval_every_steps: PositiveInt | None = Field(
+        None, description="evaluate on validation every N optimizer steps (and always at the end)"
+    )
+    log_every_steps: PositiveInt = Field(10, description="a metrics.jsonl training row every N optimizer steps")
+    nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="NaN/inf loss or gradient: stop with a one-line error, or skip the step"
+    )
     class_weights: Literal["auto"] | list[PositiveFloat] | None = Field(
         None,
         description="single-label: weight each sample's loss by its class (a list in label-id order, or auto = "
@@ -311,7 +390,9 @@ class TrainConfig(_Section):
         description="focal = cross-entropy x (1 - p_true)^focal_gamma (single-label; per label for multi-label)",
     )
     focal_gamma: float = Field(2.0, ge=0.0, description="train.loss=focal: how strongly easy samples are down-weighted")
-    early_stopping_patience: PositiveInt | None = None
+    early_stopping_patience: PositiveInt | None = Field(
+        None, description="stop after this many evaluations without improving checkpoint.best_metric"
+    )
 
     @model_validator(mode="after")
     def _patience(self) -> TrainConfig:
@@ -324,21 +405,36 @@ class TrainConfig(_Section):
 class PrecisionConfig(_Section):
     """`precision`: fp32 / fp16 / bf16 / bf16-true and the numerical safeguards that go with them."""
 
-    mode: Literal["fp32", "fp16", "bf16", "bf16-true"] = "fp32"
-    fp32_norms: bool | None = None  # None: on for bf16-true, off otherwise
-    norm_class_names: list[str] = []
-    bf16_update: Literal["stochastic", "kahan", "plain"] = "kahan"
-    allow_dtype_mismatch: bool = False
-    empty_cache: bool = True
-    deterministic: bool = False
+    mode: Literal["fp32", "fp16", "bf16", "bf16-true"] = Field(
+        "fp32",
+        description="fp32; bf16 / fp16 mixed precision (fp16 on CUDA only); bf16-true: bf16 weights with fp32 norms",
+    )
+    fp32_norms: bool | None = Field(None, description="keep norm layers in fp32; null: on for bf16-true, off otherwise")
+    norm_class_names: list[str] = Field(
+        [], description="extra norm class names to keep in fp32 (a model's own norm classes)"
+    )
+    bf16_update: Literal["stochastic", "kahan", "plain"] = Field(
+        "kahan",
+        description="bf16-true optimizer update: kahan-compensated, stochastic rounding, or plain (loses small steps)",
+    )
+    allow_dtype_mismatch: bool = Field(
+        False, description="run even when the dtype audit finds tensors contradicting the policy"
+    )
+    empty_cache: bool = Field(True, description="release cached CUDA blocks at epoch ends and before evaluation")
+    deterministic: bool = Field(False, description="deterministic kernels (bitwise exact resume on CUDA; slower)")
 
 
 class CheckpointConfig(_Section):
     """`checkpoint`: interval, resume, rotation, best metric and what `final/` holds."""
 
-    every_steps: PositiveInt | None = None
-    resume: str | None = None  # auto | <path> | null
-    keep_last: PositiveInt = 2
+    every_steps: PositiveInt | None = Field(
+        None, description="write a checkpoint every N optimizer steps (a preemption writes one regardless)"
+    )
+    resume: str | None = Field(
+        None,
+        description="auto: continue from the newest complete checkpoint of run.output_dir; a path: that checkpoint",
+    )
+    keep_last: PositiveInt = Field(2, description="keep the newest N checkpoints (and the best)")
     best_metric: (
         Literal["accuracy", "macro_f1", "micro_f1", "subset_accuracy", "pearson", "spearman", "mse", "loss"] | None
     ) = Field(
@@ -346,7 +442,9 @@ class CheckpointConfig(_Section):
         description="the evaluation metric that picks the best checkpoint and drives early stopping (loss and mse: "
         "lower is better); default per model.problem_type: accuracy, micro_f1, pearson",
     )
-    export: Literal["last", "best"] = "last"  # what final/ holds
+    export: Literal["last", "best"] = Field(
+        "last", description="what final/ holds: the last weights or the best checkpoint's"
+    )
 
     @model_validator(mode="after")
     def _export(self) -> CheckpointConfig:
@@ -358,14 +456,20 @@ class CheckpointConfig(_Section):
 class MemoryConfig(_Section):
     """`memory`: the budget the planner fits into, and CUDA allocator history recording."""
 
-    budget_gb: PositiveFloat | None = None
-    record_history: bool = False
+    budget_gb: PositiveFloat | None = Field(
+        None, description="memory budget (GiB) the planner fits the micro-batch into (train.micro_batch_size: auto)"
+    )
+    record_history: bool = Field(
+        False, description="record the CUDA allocator history into each checkpoint (memory_snapshot.pickle)"
+    )
 
 
 class LogConfig(_Section):
     """`log`: Accelerate trackers to log to."""
 
-    trackers: list[Literal["tensorboard"]] = []
+    trackers: list[Literal["tensorboard"]] = Field(
+        [], description="Accelerate trackers that also receive metrics.jsonl's rows"
+    )
 
 
 class Config(_Section):
@@ -419,8 +523,10 @@ class Config(_Section):
                 "model.problem_type=multi_label_classification"
             )
         if kind == "regression" and (d.labels is not None or d.label_map is not None or d.label_files is not None):
-            raise ValueError("model.problem_type=regression has one real-valued label: remove data.labels / "
-                             "data.label_map / data.label_files")
+            raise ValueError(
+                "model.problem_type=regression has one real-valued label: remove data.labels / "
+                "data.label_map / data.label_files"
+            )
         if kind != "single_label_classification" and self.train.class_weights is not None:
             raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
         if kind == "regression" and self.train.loss == "focal":
@@ -618,3 +724,49 @@ class _Yaml12SafeDumper(yaml.SafeDumper):
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML (what `config.yaml` in a run directory holds); reloads to the same Config."""
     return yaml.dump(cfg.model_dump(mode="json"), Dumper=_Yaml12SafeDumper, sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# The schema documents itself: docs/CONFIG.md and configs/schema.json are generated from it.
+
+
+def _type_name(a: Any) -> str:
+    origin, args = typing.get_origin(a), typing.get_args(a)
+    if origin is Literal:
+        return " / ".join(str(x) for x in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(x) for x in args)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return "mapping"
+    return "null" if a is type(None) else getattr(a, "__name__", str(a))
+
+
+def schema_markdown() -> str:
+    """docs/CONFIG.md: every section and key with its type, default and description."""
+    lines = [
+        "# Configuration reference", "",
+        "Generated from `finetune/config.py` (`finetune config --markdown`); a test fails when it is stale.",
+        "Every key can be set in the YAML file or as a dotted override (`train.learning_rate=3e-5`).", "",
+    ]  # fmt: skip
+    for section, field in Config.model_fields.items():
+        model = next(a for a in (field.annotation, *getattr(field.annotation, "__args__", ())) if isinstance(a, type))
+        lines += [f"## `{section}`", "", (model.__doc__ or "").strip(), "", "| key | type | default | description |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for name, f in model.model_fields.items():
+            default = "required" if f.is_required() else json.dumps(f.default if f.default_factory is None else None)
+            lines.append(f"| `{section}.{name}` | {_type_name(f.annotation)} | {default} | {f.description or ''} |")
+            if name == "lora":
+                for sub, g in LoraConfig.model_fields.items():
+                    lines.append(f"| `{section}.lora.{sub}` | {_type_name(g.annotation)} | {json.dumps(g.default)} | "
+                                 f"{g.description or ''} |")  # fmt: skip
+        lines.append("")
+    return "\n".join(lines)
+
+
+def json_schema() -> str:
+    """configs/schema.json: JSON Schema of a config file, for editors (yaml-language-server)."""
+    return json.dumps(Config.model_json_schema(), indent=2, sort_keys=True) + "\n"

@@ -4,6 +4,7 @@ all problems in one message; the written config.yaml reloads to the same Config.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import CONFIGS, write_tiny_config
@@ -55,7 +56,7 @@ def test_accelerate_launch_configs_load(path: Path) -> None:
 
 
 def test_every_file_in_configs_is_checked() -> None:
-    covered = set(CONFIG_FILES) | set((CONFIGS / "accelerate").glob("*.yaml"))
+    covered = set(CONFIG_FILES) | set((CONFIGS / "accelerate").glob("*.yaml")) | {CONFIGS / "schema.json"}
     assert {p for p in CONFIGS.rglob("*") if p.is_file()} == covered
 
 
@@ -217,3 +218,56 @@ def test_early_stopping_needs_periodic_evaluation() -> None:
     assert (
         load_config(TINY, ["train.early_stopping_patience=2"]).train.early_stopping_patience == 2
     )  # tiny-debug evaluates every 4 steps
+
+
+# ----------------------------------------------------------------------------------------------
+# The schema documents itself.
+
+
+def _fields(model: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    import typing
+
+    from pydantic import BaseModel
+
+    out = []
+    for name, f in model.model_fields.items():
+        kinds = (f.annotation, *typing.get_args(f.annotation))
+        subs = [a for a in kinds if isinstance(a, type) and issubclass(a, BaseModel)]
+        out += _fields(subs[0], f"{prefix}{name}.") if subs else [(f"{prefix}{name}", f)]
+    return out
+
+
+def test_every_field_has_a_description() -> None:
+    missing = [name for name, f in _fields(Config) if not f.description]
+    assert not missing, missing
+
+
+def test_generated_reference_and_json_schema_are_current() -> None:
+    from finetune.config import json_schema, schema_markdown
+
+    root = CONFIGS.parent
+    stale = "stale: run finetune config --markdown > docs/CONFIG.md"
+    assert (root / "docs" / "CONFIG.md").read_text() == schema_markdown(), stale
+    assert (CONFIGS / "schema.json").read_text() == json_schema(), "run: finetune config --schema > configs/schema.json"
+    for name, _ in _fields(Config):
+        assert f"`{name}`" in schema_markdown(), name
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_shipped_configs_point_editors_at_the_schema(path: Path) -> None:
+    assert "# yaml-language-server: $schema=schema.json" in path.read_text().splitlines()[:3]
+
+
+def test_config_command_shows_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from finetune.cli import main as cli_main
+
+    assert cli_main(["config", "--show", str(CONFIGS / "tiny-debug.yaml"), "train.learning_rate=3e-5"]) == 0
+    shown = capsys.readouterr().out
+    cfg = validate_config(parse_yaml12(shown))
+    assert cfg.train.learning_rate == 3e-5 and cfg.checkpoint.best_metric == "accuracy"  # defaults filled in
+    assert cli_main(["config", "--schema"]) == 0
+    assert "train" in json.loads(capsys.readouterr().out)["properties"]
+    assert cli_main(["config", "--show", str(CONFIGS / "tiny-debug.yaml"), "train.nope=1"]) == 2
+    assert "train.nope" in capsys.readouterr().err
