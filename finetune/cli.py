@@ -286,10 +286,20 @@ def _cmd_report(argv: list[str]) -> int:
         prog="finetune report", description="Memory reports of a run's checkpoints as one table."
     )
     parser.add_argument("run_dir", help="a run directory (run.output_dir)")
+    parser.add_argument("--plots", action="store_true", help="write curves.png and memory.png of the run again")
     args = parser.parse_args(argv)
-    from finetune.memory import report_table
+    from finetune.memory import latest_report, plot_memory, report_table
+    from finetune.metrics import plot_curves
 
-    print(report_table(Path(args.run_dir)))
+    run = Path(args.run_dir)
+    print(report_table(run))
+    if args.plots:
+        metrics = run / "metrics.jsonl"
+        if not metrics.is_file():
+            raise UserError(f"{run} has no metrics.jsonl to plot")
+        plot_curves(metrics, run / "curves.png")
+        plot_memory(metrics, run / "memory.png", report=latest_report(run))
+        print(f"wrote {run / 'curves.png'} and {run / 'memory.png'}", file=sys.stderr)
     return 0
 
 

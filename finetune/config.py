@@ -767,6 +767,24 @@ def schema_markdown() -> str:
     return "\n".join(lines)
 
 
+def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
+    """The resolved config as dotted scalar keys, for trackers (TensorBoard's hparams rejects nested
+    values, lists and None): lists and mappings as JSON text, None as "null"."""
+    out: dict[str, int | float | str | bool] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and key != "architecture" and key != "label_map" and key != "label_files":
+                walk(value, f"{prefix}{key}.")
+            elif isinstance(value, (bool, int, float, str)):
+                out[prefix + key] = value
+            else:
+                out[prefix + key] = "null" if value is None else json.dumps(value)
+
+    walk(cfg.model_dump(mode="json"), "")
+    return out
+
+
 def json_schema() -> str:
     """configs/schema.json: JSON Schema of a config file, for editors (yaml-language-server)."""
     return json.dumps(Config.model_json_schema(), indent=2, sort_keys=True) + "\n"

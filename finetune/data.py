@@ -771,6 +771,24 @@ def build_data_report(raw: RawSplits, tokenized: dict[str, datasets.Dataset]) ->
     return report
 
 
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _class_summary(counts: dict[str, int], show: int = 12) -> str:
+    """Every class with its count, or for many classes the smallest and largest few, a histogram
+    line of all counts (sorted, largest first) and the imbalance ratio; data_report.json has them all."""
+    if len(counts) <= show:
+        return ", ".join(f"{k} {v}" for k, v in counts.items())
+    ranked = sorted(counts.items(), key=lambda kv: kv[1])
+    top = max(v for _, v in ranked) or 1
+    spark = "".join(SPARK[min(7, int(8 * v / (top + 1)))] for _, v in reversed(ranked))
+    smallest = ", ".join(f"{k} {v}" for k, v in ranked[:3])
+    largest = ", ".join(f"{k} {v}" for k, v in reversed(ranked[-3:]))
+    low = ranked[0][1]
+    ratio = f"{top / low:.1f}x" if low else "inf (a class without rows)"
+    return f"{len(counts)} classes; smallest {smallest}; largest {largest}; imbalance {ratio}; {spark}"
+
+
 def format_data_report(report: dict[str, Any]) -> str:
     """A few log lines summarising the data report."""
     lines = []
@@ -779,7 +797,7 @@ def format_data_report(report: dict[str, Any]) -> str:
             st = e["score_stats"]
             balance = f"score {st['min']:g}..{st['max']:g}, mean {st['mean']:.3g}, sd {st['std']:.3g}"
         else:
-            balance = ", ".join(f"{k} {v}" for k, v in e["class_counts"].items())
+            balance = _class_summary(e["class_counts"])
             if "labels_per_row" in e:
                 balance = f"positives per label: {balance}; {e['labels_per_row']:.2f} labels/row"
         extra = f", {e['overlap_with_train']} also in train" if "overlap_with_train" in e else ""

@@ -374,8 +374,15 @@ def format_markdown(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_memory(metrics_file: Path, out: Path, upto_step: int | None = None) -> None:
-    """memory.png: peak memory per logging interval from metrics.jsonl rows with `peak_memory_bytes`."""
+BREAKDOWN = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "temporaries_bytes")
+
+
+def plot_memory(
+    metrics_file: Path, out: Path, upto_step: int | None = None, report: dict[str, Any] | None = None
+) -> None:
+    """memory.png: peak memory per logging interval (metrics.jsonl's `peak_memory_bytes`) and, with a
+    memory report, where the peak went: parameters, gradients, optimizer state, activations and
+    temporaries as a stacked bar."""
     rows: dict[int, float] = {}
     for line in metrics_file.read_text().splitlines():
         try:
@@ -392,15 +399,46 @@ def plot_memory(metrics_file: Path, out: Path, upto_step: int | None = None) -> 
     import matplotlib.pyplot as plt
 
     steps = sorted(rows)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, (ax, bar) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     ax.plot(steps, [rows[s] for s in steps], marker=".")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("peak MiB in the log interval")
     ax.set_title("peak memory per logging interval")
     ax.grid(alpha=0.3)
+    _breakdown_bar(bar, report)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)
+
+
+def _breakdown_bar(ax: Any, report: dict[str, Any] | None) -> None:
+    """A stacked bar of the peak's categories (MiB) from a checkpoint's memory report."""
+    sources = {}
+    if report is not None and any(report.get(k) is not None for k in BREAKDOWN):
+        sources[f"measured (step {report.get('step', '?')})"] = [report.get(k) or 0 for k in BREAKDOWN]
+    if not sources:
+        ax.text(0.5, 0.5, "no breakdown: set checkpoint.every_steps\n(checkpoints carry the memory report)",
+                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
+        ax.set_axis_off()
+        return
+    bottoms = [0.0] * len(sources)
+    for j, key in enumerate(BREAKDOWN):
+        values = [v[j] / MIB for v in sources.values()]
+        ax.bar(list(sources), values, bottom=bottoms, label=key.removesuffix("_bytes").replace("_", " "))
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    ax.set_ylabel("MiB at the peak")
+    ax.set_title("where the peak went")
+    ax.legend(fontsize=7)
+
+
+def latest_report(run_dir: Path) -> dict[str, Any] | None:
+    """memory.json of the newest checkpoint that has one."""
+    for path in sorted((Path(run_dir) / "checkpoints").glob("step_*/memory.json"), reverse=True):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
 
 
 def report_table(run_dir: Path) -> str:

@@ -127,23 +127,34 @@ def headline(metrics: dict[str, Any]) -> str:
 
 
 def plot_curves(metrics_file: Path, out_file: Path) -> None:
-    """curves.png: training loss, learning rate and eval accuracy against optimizer step."""
+    """curves.png: training and evaluation loss on one axis, the headline evaluation metric,
+    the learning rate and throughput (samples/s) against optimizer step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill
     train = [r for r in rows if "loss" in r]
     key = next((f"eval_{k}" for k in HEADLINE if any(f"eval_{k}" in r for r in rows)), "eval_loss")
     evals = [r for r in rows if key in r]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train])
-    axes[0].set_title("training loss")
-    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
-    axes[1].set_title("learning rate")
-    axes[2].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o")
-    axes[2].set_title(key.replace("_", " "))
+    losses = [r for r in rows if "eval_loss" in r]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="training")
+    axes[0].plot([r["step"] for r in losses], [r["eval_loss"] for r in losses], marker="o", label="evaluation")
+    axes[0].set_title("loss")
+    axes[0].legend()
+    axes[1].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o")
+    axes[1].set_title(key.replace("_", " "))
+    axes[2].plot([r["step"] for r in train], [r["lr"] for r in train])
+    axes[2].set_title("learning rate")
+    axes[3].plot([r["step"] for r in train], [r.get("samples_per_s", float("nan")) for r in train])
+    axes[3].set_title("samples/s (training, per log interval)")
     for ax in axes:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)

@@ -31,7 +31,7 @@ from finetune import checkpoint as ckpt
 from finetune import faults
 from finetune import memory as mem
 from finetune.checkpoint import TrainingProgress
-from finetune.config import Config, dump_config, load_config
+from finetune.config import Config, dump_config, flat_config, load_config
 from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
 from finetune.errors import UserError
 from finetune.metrics import eval_row, evaluate, final_summary, headline, plot_curves, record_row
@@ -192,7 +192,7 @@ def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
         f"{threads} CPU thread(s) per process"
     )
     if cfg.log.trackers:
-        accelerator.init_trackers("finetune", config={"precision": cfg.precision.mode, "lr": cfg.train.learning_rate})
+        accelerator.init_trackers("finetune", config=flat_config(cfg))
     ckpt.warn_if_disk_small(run_dir, disk_need(cfg, model))
 
     loaders = [x for x in (eval_loader, test_loader) if x is not None]
@@ -598,7 +598,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         if run.metrics_file.exists():
             plot_curves(run.metrics_file, run.run_dir / "curves.png")
-            mem.plot_memory(run.metrics_file, run.run_dir / "memory.png")
+            mem.plot_memory(run.metrics_file, run.run_dir / "memory.png", report=mem.latest_report(run.run_dir))
         logger.info(final_summary(final, run.run_dir / "final"))
     acc.end_training()
     return final
