@@ -669,7 +669,8 @@ def export_final(
         finally:
             if bars:
                 transformers.utils.logging.enable_progress_bar()
-        tokenizer.model_max_length, tokenizer.truncation_side = max_length, "right"
+        side = "left" if (extra_config or {}).get("truncation") == "tail" else "right"
+        tokenizer.model_max_length, tokenizer.truncation_side = max_length, side
         tokenizer.save_pretrained(tmp)
         # bf16-true weights are saved as trained (bf16, norms fp32), but a config saying "bfloat16"
         # makes from_pretrained/pipeline cast the fp32 norms down to bf16 on load. "float32" makes

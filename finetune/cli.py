@@ -87,8 +87,11 @@ def _records(path: Path) -> list[Any]:
     """Rows of a .csv/.tsv (dicts), .jsonl/.json (dicts or strings) or .txt (strings) input."""
     suffix = path.suffix.lower()
     if suffix in (".csv", ".tsv"):
-        with path.open(newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
+        # a BOM (Excel exports) is not part of the first column's name; a TSV's quotes are text
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            if suffix == ".tsv":
+                return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+            return list(csv.DictReader(f))
     if suffix == ".jsonl":
         return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     if suffix == ".json":
@@ -273,7 +276,7 @@ def _cmd_evaluate(argv: list[str]) -> int:
         pairs = ds["text_pair"][:] if "text_pair" in ds.column_names else None  # data.text_pair_column
         logits = model_logits(tokenizer, model, ds["text"][:], pairs, max_length=cfg.data.max_length)
         y_true = np.asarray(raw.targets(ds))
-        per_label = [thresholds[n] for n in names] if thresholds else None
+        per_label = [thresholds[n] for n in names] if thresholds else [0.5] * len(names)
         result[split] = compute_metrics(kind, y_true, logits, names, per_label)
     if not result:
         raise UserError(f"{args.config} has no validation or test data to evaluate on")
@@ -300,6 +303,26 @@ def _cmd_report(argv: list[str]) -> int:
         plot_curves(metrics, run / "curves.png")
         plot_memory(metrics, run / "memory.png", report=latest_report(run))
         print(f"wrote {run / 'curves.png'} and {run / 'memory.png'}", file=sys.stderr)
+    return 0
+
+
+def _cmd_init(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune init", description="Write a commented config for a data file or folder that trains as it is."
+    )
+    parser.add_argument("data", help="a csv/tsv/jsonl/json/parquet file, a folder of train/dev/test files, or a "
+                                     "folder with one sub-folder per label")  # fmt: skip
+    parser.add_argument("-o", "--output", default=None, help="the config to write (default: <data name>.yaml)")
+    parser.add_argument("--model", default="minilm-l6", help="model directory, alias or hub id (default minilm-l6)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output file")
+    args = parser.parse_args(argv)
+    from finetune.scaffold import init_config
+
+    data = Path(args.data)
+    out = Path(args.output or f"{data.resolve().stem if data.is_file() else data.resolve().name}.yaml")
+    for note in init_config(data, out, args.model, args.force):
+        print(f"  {note}", file=sys.stderr)
+    print(f"wrote {out}; train with: finetune train --config {out}", file=sys.stderr)
     return 0
 
 
@@ -331,6 +354,7 @@ COMMANDS = {
     "predict": _cmd_predict,
     "report": _cmd_report,
     "config": _cmd_config,
+    "init": _cmd_init,
 }
 
 

@@ -538,8 +538,8 @@ class Config(_Section):
                 f"data.chunk_stride={d.chunk_stride} must be smaller than data.max_length ({d.max_length}) minus the "
                 "special tokens, or no window would advance"
             )
-        if d.text_pair_column is not None and (d.chunk_stride is not None or d.truncation == "head_tail"):
-            raise ValueError("data.chunk_stride and data.truncation=head_tail take single texts, not pairs")
+        if d.text_pair_column is not None and (d.chunk_stride is not None or d.truncation not in (None, "head")):
+            raise ValueError("data.chunk_stride and data.truncation=tail/head_tail take single texts, not pairs")
         if kind == "multi_label_classification" and d.label_files is not None:
             raise ValueError(
                 "data.label_files gives one label per text: use model.problem_type=single_label_classification"

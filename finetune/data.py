@@ -582,6 +582,7 @@ def _grouped_split(
     rng = random.Random(seed)
     chosen: set[int] = set()
     val_idx: list[int] = []
+    left = Counter(keys)  # training rows each class keeps
     for label in sorted(by_class):
         idx = by_class[label][:]
         rng.shuffle(idx)
@@ -594,8 +595,11 @@ def _grouped_split(
             if i in chosen:
                 continue
             group = copies[texts[i]]
+            if stratify and any(left[keys[j]] <= sum(1 for g in group if keys[g] == keys[j]) for j in group):
+                continue  # a duplicated text would take a class's last training rows: it stays in train
             chosen.update(group)
             val_idx.extend(group)
+            left.subtract(keys[j] for j in group)
             taken += sum(1 for j in group if keys[j] == label)
     train_idx = [i for i in range(len(ds)) if i not in chosen]
     if not train_idx:
@@ -758,13 +762,17 @@ def build_data_report(raw: RawSplits, tokenized: dict[str, datasets.Dataset]) ->
         if ds is None:
             continue
         texts = ds["text"][:]
+        tok = tokenized[name]
+        cut = {d for d, t in zip(tok["doc"][:], tok["truncated"][:], strict=True) if t}  # texts longer than a row
         entry: dict[str, Any] = {
             "rows": len(ds),
             **_label_summary(raw, ds),
             "duplicates_within": len(texts) - len(set(texts)),
-            "truncated_fraction": float(sum(tokenized[name]["truncated"][:]) / max(1, len(ds))),
-            "mean_tokens": float(sum(tokenized[name]["length"][:]) / max(1, len(ds))),
+            "truncated_fraction": float(len(cut) / max(1, len(ds))),
+            "mean_tokens": float(sum(tok["length"][:]) / max(1, len(tok))),  # per model row (a window when chunked)
         }
+        if len(tok) != len(ds):
+            entry["windows"] = len(tok)
         if name != "train":
             entry["overlap_with_train"] = sum(1 for t in set(texts) if t in train_texts)
         report["splits"][name] = entry

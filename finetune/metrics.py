@@ -171,7 +171,7 @@ def _forward_in_chunks(model: torch.nn.Module, batch: dict[str, torch.Tensor], r
 
 
 def batch_logits(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], rows: int | None, fault_step: int
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], rows: int | None, fault_step: int, alone: bool = True
 ) -> tuple[torch.Tensor, int | None]:
     """Logits of an evaluation batch, halving the rows per forward after an out-of-memory error;
     returns the logits and the rows per forward that worked (kept for the following batches).
@@ -186,6 +186,9 @@ def batch_logits(
             return _forward_in_chunks(model, batch, rows), rows
         except torch.OutOfMemoryError as exc:
             current = rows or n
+            if not alone:  # with several processes every rank must run the same forwards
+                raise UserError(f"out of memory in evaluation on one of several processes "
+                                f"({str(exc).strip().splitlines()[0]}); lower train.micro_batch_size") from None
             if current == 1:
                 raise UserError(
                     f"out of memory in evaluation at one row per forward ({str(exc).strip().splitlines()[0]}); "
@@ -227,7 +230,7 @@ def evaluate(
         if doc is None:  # rows of a split tokenized without text ids: every row is its own text
             doc = torch.arange(len(labels), device=labels.device) + seen + accelerator.process_index * 10**9
             seen += len(labels)
-        logits, rows = batch_logits(model, batch, rows, fault_step)
+        logits, rows = batch_logits(model, batch, rows, fault_step, accelerator.num_processes == 1)
         out, ref, doc = accelerator.gather_for_metrics((logits.float(), labels, doc))
         outs.append(out.cpu())
         refs.append(ref.cpu())

@@ -32,6 +32,9 @@ from finetune.precision import accelerate_mixed_precision, check_supported
 
 logger = logging.getLogger("finetune")
 
+# the parent when this module was imported: a launcher that is PID 1 itself (a container's entrypoint)
+# is a live parent, so "reparented" means "parent changed", not "parent is 1"
+_PARENT_AT_START = os.getppid()
 EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}  # 128 + signal number, as a shell reports a killed job
 DYNAMO_ENV = "ACCELERATE_DYNAMO_BACKEND"  # set by `accelerate launch` from an `accelerate config` with dynamo
 
@@ -211,7 +214,7 @@ def _set_parent_death_signal() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except OSError:
         return
-    if os.getppid() == 1:  # the launcher died before prctl took effect
+    if os.getppid() != _PARENT_AT_START:  # the launcher died before prctl took effect (reparented)
         os.kill(os.getpid(), signal.SIGTERM)
 
 

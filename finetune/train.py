@@ -380,10 +380,14 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
 
     Returns "step" (a step was taken), "epoch_end" (no batch left) or "out_of_memory" (the window
     failed before its step; its gradients are to be dropped).
+
+    Raises:
+        UserError: out of memory with several processes (no rank may redo a window alone).
     """
     acc, cfg = run.accelerator, run.cfg
     G, P = progress.gradient_accumulation_steps, acc.num_processes
-    window = torch.zeros(2, device=acc.device)  # loss sum and sample count, added to `sums` once applied
+    # weighted loss, weight, real tokens, total tokens, rows: added to `sums` when the window completes
+    window = torch.zeros(5, device=acc.device)
     for batch in batches:
         progress.batches_in_epoch += 1
         faults.signal_point("batch", progress.epoch * len(run.train_loader) + progress.batches_in_epoch, run.run_dir,
@@ -401,13 +405,14 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
             loss = per_sample.sum() * (G * P) / window_samples
             acc.backward(loss)
         if run.oom.hit:
+            if P > 1:  # the other processes are in this step's collectives: no rank may redo it alone
+                raise UserError(f"out of memory on one of {P} processes ({run.oom.message}); lower "
+                                "train.micro_batch_size (same train.batch_size) and resume with checkpoint.resume=auto")
             return "out_of_memory"
-        window += torch.stack([per_sample.detach().sum(), weight.sum()])
         lengths = batch["sequence_lengths"] if cfg.data.packing else batch["attention_mask"].sum(-1)
         live = (weight > 0).float()  # weight-0 fill rows are waste
-        sums.values[2] += (lengths * live).sum()
-        sums.values[3] += batch["input_ids"].numel()
-        sums.values[4] += live.sum()
+        window += torch.stack([per_sample.detach().sum(), weight.sum(), (lengths * live).sum(),
+                               live.new_full((), float(batch["input_ids"].numel())), live.sum()])
         if acc.sync_gradients:
             optimizer_step(run, progress, window, sums)
             return "step"
@@ -441,7 +446,8 @@ def optimizer_step(run: Run, progress: TrainingProgress, window: torch.Tensor, s
         run.scheduler.step()
         run.precision.after_step(acc.optimizer_step_was_skipped)  # fp16: the scaler skipped it
         if not acc.optimizer_step_was_skipped:
-            sums.values[:2] += window
+            sums.values[:2] += window[:2]  # the loss average counts applied steps only
+    sums.values[2:] += window[2:]
     run.optimizer.zero_grad(set_to_none=True)
     progress.step = step
 
@@ -479,6 +485,11 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     ev = cfg.train.eval_every_steps
     if run.eval_loader is not None and ev and step % ev == 0 and step < run.total_steps:
         evaluate_now(run, progress, sums)
+    patience = cfg.train.early_stopping_patience
+    if patience and progress.best.get("bad_evals", 0) >= patience:  # decided before a save records the step
+        logger.info(f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} "
+                    "evaluations")
+        progress.finished = True
     saved = None
     if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < run.total_steps:
         saved = save(run, progress, sums)
@@ -488,11 +499,6 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         path = saved or save(run, progress, sums)  # not a second save of the same step inside the grace period
         run.accelerator.end_training()  # flush the trackers (TensorBoard) before exiting
         raise Preempted(stop_signal, step, path)
-    patience = cfg.train.early_stopping_patience
-    if patience and progress.best.get("bad_evals", 0) >= patience:
-        logger.info(f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} "
-                    "evaluations")
-        progress.finished = True
     if run.sample_memory and step < run.total_steps and not progress.finished:
         run.memory.begin_sample(step)  # not after the last step: evaluation and export run untracked
 
@@ -571,7 +577,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     acc, cfg = run.accelerator, run.cfg
     run.bar.close()
     release_cached_memory(cfg.precision.empty_cache, acc.device)
-    if run.eval_loader is not None:
+    if run.eval_loader is not None and progress.eval.get("step") != progress.step:  # not twice for one step
         progress.eval = evaluate_split(run, run.eval_loader, progress.step)
         progress.eval["step"] = progress.step
         ckpt.update_best(progress.best, cfg.checkpoint.best_metric, progress.eval, progress.step)
@@ -588,6 +594,8 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         best_step = ckpt.read_progress(best).step
         final = {**evaluate_split(run, run.eval_loader), "step": best_step, "exported": "best"}
     thresholds = final.get("thresholds")  # multi-label: tuned on validation, applied to test and in final/
+    if thresholds is None and cfg.model.problem_type == "multi_label_classification":
+        thresholds = [0.5] * len(run.data.label_names)  # no validation to tune on: never tune on test
     if run.test_loader is not None:
         final["test"] = evaluate_split(run, run.test_loader, thresholds=thresholds)
         acc.log({k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},

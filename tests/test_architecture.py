@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 LAYERS = [
     "errors", "config", "faults", "precision", "model", "data", "optim", "runtime", "memory", "planner", "metrics",
-    "checkpoint", "train", "cli",
+    "checkpoint", "scaffold", "train", "cli",
 ]  # fmt: skip
 
 
