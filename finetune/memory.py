@@ -382,7 +382,7 @@ def plot_memory(
 ) -> None:
     """memory.png: peak memory per logging interval (metrics.jsonl's `peak_memory_bytes`) and, with a
     memory report, where the peak went: parameters, gradients, optimizer state, activations and
-    temporaries as a stacked bar."""
+    temporaries as a stacked bar, beside the planner's prediction when the run planned its micro-batch."""
     rows: dict[int, float] = {}
     for line in metrics_file.read_text().splitlines():
         try:
@@ -416,6 +416,9 @@ def _breakdown_bar(ax: Any, report: dict[str, Any] | None) -> None:
     sources = {}
     if report is not None and any(report.get(k) is not None for k in BREAKDOWN):
         sources[f"measured (step {report.get('step', '?')})"] = [report.get(k) or 0 for k in BREAKDOWN]
+    planned = ((report or {}).get("config") or {}).get("planned_bytes")  # train.micro_batch_size: auto
+    if planned and sources:
+        sources["planned"] = [planned.get(k.removesuffix("_bytes"), 0) for k in BREAKDOWN]
     if not sources:
         ax.text(0.5, 0.5, "no breakdown: set checkpoint.every_steps\n(checkpoints carry the memory report)",
                 ha="center", va="center", transform=ax.transAxes)  # fmt: skip

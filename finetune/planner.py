@@ -620,9 +620,9 @@ def measure_real(
 
 def choose_micro_batch(
     cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]
-) -> tuple[int, int]:
+) -> tuple[int, int, dict[str, int]]:
     """`train.micro_batch_size: auto`: the largest micro-batch whose planned peak (with margin)
-    fits `memory.budget_gb`; accumulation makes up `train.batch_size`.
+    fits `memory.budget_gb`; accumulation makes up `train.batch_size`. Returns the plan's categories too.
 
     Raises:
         UserError: even micro-batch 1 does not fit the budget.
@@ -641,7 +641,7 @@ def choose_micro_batch(
             f"{budget / MiB:,.0f} MiB)"
         )
         if need <= budget:
-            return micro, G
+            return micro, G, dict(m.categories)
         smallest = need
     raise UserError(
         f"memory.budget_gb={cfg.memory.budget_gb:g}: even micro-batch 1 needs {smallest / GiB:.2f} GiB on {device}; "
@@ -652,17 +652,19 @@ def choose_micro_batch(
 
 def resolve_micro_batch(
     cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]
-) -> tuple[int, int]:
-    """(micro-batch, accumulation) per process: explicit, derived from `train.batch_size`, or planned (auto)."""
+) -> tuple[int, int, dict[str, int] | None]:
+    """(micro-batch, accumulation) per process: explicit, derived from `train.batch_size`, or planned
+    (auto, then with the plan's bytes per category for the memory report)."""
     micro, G, _ = resolve_batch(cfg, num_processes)
+    planned = None
     if micro is None:
-        micro, G = choose_micro_batch(cfg, num_processes, device, tokenizer, label_names)
+        micro, G, planned = choose_micro_batch(cfg, num_processes, device, tokenizer, label_names)
         logger.info(
             f"train.micro_batch_size=auto: micro-batch {micro} x accumulation {G} x {num_processes} process(es) = "
             f"{cfg.train.batch_size}"
         )
     assert G is not None
-    return micro, G
+    return micro, G, planned
 
 
 def measure_cuda(

@@ -168,7 +168,7 @@ def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
     pad_note = choose_pad_token(tokenizer, [data.train, data.validation, data.test])  # pad never inside a text
     model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer)
     P = accelerator.num_processes
-    micro, G = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
+    micro, G, planned = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
     accelerator.gradient_accumulation_steps = G
     attn_cost = attention_cost(model)  # packing: how much a longer row costs in attention
     train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P, attn_cost)
@@ -214,8 +214,8 @@ def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
     if resume_from is not None:
         progress = resume(run, resume_from, progress, sums)
     was_finished = progress.finished  # a finished run resumed: its final evaluation and checkpoint exist
-    run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, memory_summary(cfg, progress),
-                                   cfg.memory.record_history)
+    summary = memory_summary(cfg, progress) | {"planned_bytes": planned}  # the plan, when micro-batch was auto
+    run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, summary, cfg.memory.record_history)
     run.bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process,
                    dynamic_ncols=True)
     if progress.step < total_steps and not progress.finished and run.sample_memory:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_tiny_config
+from conftest import ROOT, write_tiny_config
 from safetensors.torch import load_file
 
 from finetune import checkpoint as ckpt
@@ -192,3 +192,39 @@ def test_no_memtracker_around_the_final_evaluation(
     cfg = write_tiny_config(tmp_path, {"data.max_train_samples": 32, "data.max_eval_samples": 16, "train.max_steps": 1})
     assert train_main(["--config", str(cfg)]) == 0
     assert modes == [None]
+
+
+def test_memory_png_shows_the_breakdown_beside_the_plan(tmp_path: Path, data_dir: Path) -> None:
+    # train.micro_batch_size=auto plans the micro-batch: memory.json keeps the plan, memory.png draws both
+    import matplotlib.pyplot as plt
+
+    cfg = write_tiny_config(tmp_path, {"data.max_train_samples": 64, "data.max_eval_samples": 16, "train.max_steps": 2,
+                                       "train.micro_batch_size": "auto", "train.batch_size": 32,
+                                       "train.gradient_accumulation_steps": ..., "memory.budget_gb": 4,
+                                       "checkpoint.every_steps": 1})  # fmt: skip
+    assert train_main(["--config", str(cfg)]) == 0
+    report = mem.latest_report(tmp_path / "run")
+    assert report is not None and report["config"]["planned_bytes"]["parameters"] > 0
+    drawn: list[list[str]] = []
+    real_bar = plt.Axes.bar
+
+    def bar(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        drawn.append(list(x))
+        return real_bar(self, x, *args, **kwargs)
+
+    plt.Axes.bar = bar  # type: ignore[method-assign]
+    try:
+        mem.plot_memory(tmp_path / "run" / "metrics.jsonl", tmp_path / "m.png", report=report)
+    finally:
+        plt.Axes.bar = real_bar  # type: ignore[method-assign]
+    assert drawn and all(x[0].startswith("measured") and x[1] == "planned" for x in drawn) and len(drawn) == 5
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_trackers_get_the_whole_config_as_dotted_scalars() -> None:
+    from finetune.config import flat_config, load_config
+
+    flat = flat_config(load_config(ROOT / "configs" / "goemotions-minilm.yaml"))
+    assert flat["model.problem_type"] == "multi_label_classification" and flat["train.learning_rate"] == 1e-4
+    assert flat["data.column_names"] == '["text", "labels", "id"]' and flat["data.truncation"] == "null"
+    assert all(isinstance(v, (bool, int, float, str)) for v in flat.values())
