@@ -112,3 +112,34 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     cfg = write_tiny_config(directory, {"data.max_train_samples": 128, "data.max_eval_samples": 64})
     assert main(["--config", str(cfg)]) == 0
     return directory / "run"
+
+
+# plain SGD (no momentum, decay, clipping or schedule) in windows of 16, 16 and 8 samples: every step is
+# w <- w - 1.0 x (the window's full-batch gradient), computable by a plain-torch reference
+PLAIN_SGD = {
+    "train.optimizer": "sgd", "train.momentum": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": None,
+    "train.lr_scheduler": "constant", "train.warmup_ratio": 0.0, "train.learning_rate": 1.0, "train.epochs": 1,
+    "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 2, "data.max_train_samples": 40,
+}  # fmt: skip
+
+
+def sgd_from_saved_start(directory: Path, updates: dict[str, Any], seed: int) -> tuple[Any, Any, Any, Any, Path]:
+    """For exactness tests: build the tiny model of `updates` with `seed`, save it (and its tokenizer)
+    to `directory/init`, write `directory/tiny.yaml` training from those weights, and return
+    (config, tokenizer, tokenized data, the in-memory model, the config path) for a plain-torch reference."""
+    import torch
+
+    from finetune.config import load_config
+    from finetune.data import build_data
+    from finetune.model import build_model, build_tokenizer
+
+    scratch = load_config(write_tiny_config(directory, updates, name="scratch.yaml"))
+    tok = build_tokenizer(scratch)
+    data = build_data(scratch, tok)
+    torch.manual_seed(seed)
+    model = build_model(scratch, data.label_names, tok)
+    init = directory / "init"
+    model.save_pretrained(init)
+    tok.save_pretrained(init)
+    saved = {**updates, "model.name_or_path": str(init), "model.architecture": None, "model.tokenizer": None}
+    return scratch, tok, data, model, write_tiny_config(directory, saved)

@@ -15,25 +15,20 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_tiny_config
+from conftest import PLAIN_SGD, sgd_from_saved_start, write_tiny_config
 from safetensors.torch import load_file
 
 from finetune.cli import main as cli_main
 from finetune.config import load_config
-from finetune.data import WindowedBatchSampler, Windowing, build_data, encode_texts, sample_weights
+from finetune.data import WindowedBatchSampler, Windowing, encode_texts, sample_weights
 from finetune.metrics import per_text
-from finetune.model import build_model, build_tokenizer
+from finetune.model import build_tokenizer
 from finetune.precision import fp32_per_sample_loss
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 
-SGD = {
-    "train.optimizer": "sgd", "train.momentum": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": None,
-    "train.lr_scheduler": "constant", "train.warmup_ratio": 0.0, "train.learning_rate": 1.0, "train.epochs": 1,
-    "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 2, "data.max_train_samples": 40,
-    "data.max_eval_samples": 16,
-}  # fmt: skip
+SGD = {**PLAIN_SGD, "data.max_eval_samples": 16}
 
 
 def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
@@ -49,16 +44,8 @@ def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
     ids=["class_weights", "chunks_and_auto_weights"],
 )  # fmt: skip
 def test_weighted_accumulation_equals_the_weighted_full_batch_gradient(extra: dict[str, Any], tmp_path: Path) -> None:
-    scratch = load_config(write_tiny_config(tmp_path, {**SGD, **extra}, name="scratch.yaml"))
-    tok = build_tokenizer(scratch)
-    data = build_data(scratch, tok)
-    torch.manual_seed(3)
-    model = build_model(scratch, data.label_names, tok)
+    scratch, tok, data, model, cfg = sgd_from_saved_start(tmp_path, {**SGD, **extra}, seed=3)
     init = tmp_path / "init"
-    model.save_pretrained(init)
-    tok.save_pretrained(init)
-    cfg = write_tiny_config(tmp_path, {**SGD, **extra, "model.name_or_path": str(init), "model.architecture": None,
-                                       "model.tokenizer": None})  # fmt: skip
     assert main(["--config", str(cfg)]) == 0
     train = data.train
     docs, labels = train["doc"][:], train["labels"][:]

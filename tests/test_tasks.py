@@ -14,14 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import write_tiny_config
+from conftest import PLAIN_SGD, sgd_from_saved_start, write_tiny_config
 from safetensors.torch import load_file
 
 from finetune.cli import main as cli_main
 from finetune.config import load_config
-from finetune.data import WindowedBatchSampler, build_data, load_raw_splits
+from finetune.data import WindowedBatchSampler, load_raw_splits
 from finetune.metrics import compute_metrics, tune_thresholds
-from finetune.model import build_model, build_tokenizer
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
@@ -40,12 +39,7 @@ STSB = {
     "data.train_file": "stsb/dev.tsv", "data.validation_file": "stsb/dev.tsv", "data.text_column": "sentence1",
     "data.text_pair_column": "sentence2", "data.label_column": "score", "data.label_map": None,
 }  # fmt: skip
-SGD = {
-    "train.optimizer": "sgd", "train.momentum": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": None,
-    "train.lr_scheduler": "constant", "train.warmup_ratio": 0.0, "train.learning_rate": 1.0, "train.epochs": 1,
-    "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 2, "data.max_train_samples": 40,
-    "data.max_eval_samples": 24,
-}  # fmt: skip
+SGD = {**PLAIN_SGD, "data.max_eval_samples": 24}
 
 
 def _run(tmp_path: Path, updates: dict[str, Any], name: str = "tiny.yaml") -> Path:
@@ -69,16 +63,9 @@ def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
 def test_accumulated_sgd_equals_full_batch_gradient(shape: dict[str, Any], tmp_path: Path) -> None:
     # windows of 16, 16 and 8 samples (the short tail): each step must be plain SGD on the mean loss
     # over the window's samples (mean BCE over labels and samples; mean squared error)
-    scratch = load_config(write_tiny_config(tmp_path, {**shape, **SGD}, name="scratch.yaml"))
-    tok = build_tokenizer(scratch)
-    data = build_data(scratch, tok)
-    torch.manual_seed(7)
-    model = build_model(scratch, data.label_names, tok)
-    init = tmp_path / "init"
-    model.save_pretrained(init)
-    tok.save_pretrained(init)
-    run = _run(tmp_path, {**shape, **SGD, "model.name_or_path": str(init), "model.architecture": None,
-                          "model.tokenizer": None})  # fmt: skip
+    scratch, tok, data, model, cfg = sgd_from_saved_start(tmp_path, {**shape, **SGD}, seed=7)
+    init, run = tmp_path / "init", tmp_path / "run"
+    assert main(["--config", str(cfg)]) == 0
     sampler = WindowedBatchSampler(data.train["length"][:], batch_size=8, accumulation=2, seed=scratch.run.seed,
                                    group_by_length=scratch.data.group_by_length)  # fmt: skip
     sampler.set_epoch(0)
