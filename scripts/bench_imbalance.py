@@ -70,18 +70,18 @@ def main() -> int:
     report: dict[str, dict[str, list[dict]]] = {"sms": {k: [] for k in SMS}, "bbc": {k: [] for k in BBC}}
     for seed in args.seeds:
         if args.only in (None, "sms"):
-            for name, extra in SMS.items():
+            for k, (name, extra) in enumerate(SMS.items()):
                 ev, secs = run("configs/sms-spam-minilm.yaml", [f"run.seed={seed}", f"train.epochs={args.sms_epochs}",
-                                                                *extra], out / f"sms-{seed}-{len(report['sms'][name])}")
+                                                                *extra], out / f"sms-seed{seed}-variant{k}")
                 spam = ev["per_class"]["spam"]
                 report["sms"][name].append({"spam_f1": spam["f1"], "spam_recall": spam["recall"],
                                             "macro_f1": ev["macro_f1"], "seconds": secs})  # fmt: skip
                 print(name, seed, report["sms"][name][-1], flush=True)
         if args.only in (None, "bbc"):
-            for name, extra in BBC.items():
+            for k, (name, extra) in enumerate(BBC.items()):
                 ev, secs = run("configs/bbc-minilm.yaml", [f"run.seed={seed}", f"train.epochs={args.bbc_epochs}",
                                                            "data.max_length=128", *extra],
-                               out / f"bbc-{seed}-{len(report['bbc'][name])}")  # fmt: skip
+                               out / f"bbc-seed{seed}-variant{k}")  # fmt: skip
                 report["bbc"][name].append({"accuracy": ev["accuracy"], "macro_f1": ev["macro_f1"],
                                             "num_samples": ev["num_samples"], "seconds": secs})  # fmt: skip
                 print(name, seed, report["bbc"][name][-1], flush=True)
