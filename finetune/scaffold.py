@@ -296,9 +296,11 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
         notes.append("no validation file: 10% of train held out (data.validation_split)")
     tok = build_tokenizer(load_config_for_tokenizer(model))
     text_col = chosen.get("text_column", "text")
-    every = s.columns[text_col]
-    sample = [str(t) for t in every[:: max(1, len(every) // 2000)]]  # ~2,000 texts spread over the file
-    lengths = sorted(len(x) for x in tok(sample, truncation=False)["input_ids"])
+    stride = max(1, len(s.columns[text_col]) // 2000)  # ~2,000 texts spread over the file
+    sample = [str(t) for t in s.columns[text_col][::stride]]
+    pair_col = chosen.get("text_pair_column")  # a pair is one model row: its length is both texts together
+    pairs = [str(t) for t in s.columns[pair_col][::stride]] if pair_col else None
+    lengths = sorted(len(x) for x in tok(sample, pairs, truncation=False)["input_ids"])
     p99 = lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
     data["max_length"] = min(512, max(32, 16 * math.ceil(p99 / 16)))
     notes.append(f"max_length {data['max_length']}: the 99th percentile of {len(lengths)} texts is {p99} tokens")
