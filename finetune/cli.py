@@ -153,7 +153,7 @@ def model_logits(
     c = model.config  # the run's windowing of long texts, as final/config.json records it
     w = Windowing(max_length, getattr(c, "truncation", None), getattr(c, "head_fraction", 0.25),
                   getattr(c, "chunk_stride", None))  # fmt: skip
-    enc = encode_texts(tokenizer, texts, pairs, w)
+    enc = encode_texts(tokenizer, texts, pairs, w, measure=False)
     keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
     order = sorted(range(len(enc["input_ids"])), key=lambda i: enc["length"][i])  # similar lengths: less padding
     out = torch.zeros(len(order), c.num_labels)

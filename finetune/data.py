@@ -76,10 +76,14 @@ class LabelTarget:
     label_names: tuple[str, ...]
     raw_to_name: tuple[tuple[str, str], ...]
 
+    def __post_init__(self) -> None:  # built once, not per row (a frozen dataclass sets it through object)
+        index = {raw_value: self.label_names.index(name) for raw_value, name in self.raw_to_name}
+        object.__setattr__(self, "_index", index)
+
     def __call__(self, raw: Any) -> Any:
         if self.problem_type == REGRESSION:
             return float(raw)
-        index = {raw_value: self.label_names.index(name) for raw_value, name in self.raw_to_name}
+        index = self._index  # type: ignore[attr-defined]
         if self.problem_type == MULTI:
             hot = [0.0] * len(self.label_names)
             for v in raw:
@@ -653,16 +657,16 @@ def _keep(ids: list[int], budget: int, mode: str, head_fraction: float) -> list[
 
 
 def encode_texts(
-    tokenizer: Any, texts: list[str], pairs: list[str] | None, w: Windowing
+    tokenizer: Any, texts: list[str], pairs: list[str] | None, w: Windowing, measure: bool = True
 ) -> dict[str, list[Any]]:
     """Model inputs for `texts` (and `pairs`) plus `doc` (the index of each row's text: several rows
-    per text with chunking), `length` and `truncated` (the text did not fit in one row).
+    per text with chunking), `length` and, with `measure` (the data report's: prediction skips the
+    extra tokenization), `truncated` (the text did not fit in one row).
 
     Raises:
         UserError: a chunk stride that leaves no room for new tokens in a window.
     """
     n = len(texts)
-    full = tokenizer(texts, pairs, truncation=False)["input_ids"]
     if w.chunk_stride is not None:
         room = w.max_length - tokenizer.num_special_tokens_to_add(pair=False)
         if w.chunk_stride >= room:
@@ -685,7 +689,9 @@ def encode_texts(
         docs = list(range(n))
     enc["doc"] = docs
     enc["length"] = [len(x) for x in enc["input_ids"]]
-    enc["truncated"] = [len(full[d]) > w.max_length for d in docs]
+    if measure:
+        full = tokenizer(texts, pairs, truncation=False)["input_ids"]
+        enc["truncated"] = [len(full[d]) > w.max_length for d in docs]
     return enc
 
 

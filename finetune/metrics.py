@@ -223,13 +223,9 @@ def evaluate(
     """
     model.eval()
     outs, refs, docs = [], [], []
-    rows, seen = None, 0
+    rows = None
     for batch in loader:
-        labels = batch.pop("labels")
-        doc = batch.pop("doc", None)
-        if doc is None:  # rows of a split tokenized without text ids: every row is its own text
-            doc = torch.arange(len(labels), device=labels.device) + seen + accelerator.process_index * 10**9
-            seen += len(labels)
+        labels, doc = batch.pop("labels"), batch.pop("doc")  # doc: the text a row (a window) belongs to
         logits, rows = batch_logits(model, batch, rows, fault_step, accelerator.num_processes == 1)
         out, ref, doc = accelerator.gather_for_metrics((logits.float(), labels, doc))
         outs.append(out.cpu())
