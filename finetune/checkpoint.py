@@ -63,6 +63,11 @@ HARMLESS_KEYS = {
     "data.num_workers",  # workers only read and collate; loaders have their own generators
     "run.num_threads",  # intra-op threads: the same arithmetic on CPU fp32 (reductions are per-output)
     "precision.empty_cache",
+    # what `finetune sweep` searches: a trial's own values are in the other keys
+    "sweep.space",
+    "sweep.startup_trials",
+    "sweep.warmup_evaluations",
+    "sweep.baseline",
 }
 # Metrics where lower is better; any other metric (accuracy, macro_f1, ...) is maximised.
 LOWER_IS_BETTER = {"loss", "mse"}

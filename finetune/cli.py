@@ -1,4 +1,5 @@
-"""`finetune train | plan | evaluate | predict`: thin argument parsing around the modules."""
+"""`finetune train | plan | evaluate | predict | report | config | init | export | sweep`: thin argument
+parsing around the modules."""
 
 from __future__ import annotations
 
@@ -347,6 +348,52 @@ def _cmd_config(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune export",
+        description="Export a run's final/ to ONNX (dynamic batch and sequence axes), checked with ONNX Runtime "
+                    "against PyTorch; OUT_DIR holds model.onnx, config and tokenizer.",
+    )
+    parser.add_argument("--onnx", action="store_true", help="export to ONNX (the one format for now)")
+    parser.add_argument("final_dir", help="a run's final/ directory")
+    parser.add_argument("out_dir", help="the directory to write (must not exist, or be empty, unless --force)")
+    parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
+    parser.add_argument("--atol", type=float, default=1e-4, help="largest logit difference accepted (default 1e-4)")
+    args = parser.parse_args(argv)
+    if not args.onnx:
+        raise UserError("choose the export format: finetune export --onnx FINAL_DIR OUT_DIR")
+    from finetune.export import export_onnx
+
+    check = export_onnx(Path(args.final_dir), Path(args.out_dir), args.force, atol=args.atol)
+    print(f"wrote {args.out_dir}/model.onnx (inputs {', '.join(check['inputs'])}; batch and sequence dynamic); "
+          f"ONNX Runtime vs PyTorch: max |logit difference| {check['max_abs_diff']:.2e} over "
+          f"{len(check['checks'])} batches (tolerance {check['tolerance']:g})", file=sys.stderr)
+    return 0
+
+
+def _cmd_sweep(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune sweep",
+        description="Search hyper-parameters with Optuna (TPE, median pruning): each trial is a run in "
+                    "<run.output_dir>/trial-NNN, the study in <run.output_dir>/study.db, the best config in best.yaml.",
+    )
+    parser.add_argument("--config", required=True, help="YAML config file (its sweep: section is the search space)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. data.max_train_samples=2000")
+    parser.add_argument("--trials", type=int, required=True, help="trials to run now (added to the study)")
+    parser.add_argument("--storage", default=None,
+                        help="Optuna storage URL (default sqlite:///<run.output_dir>/study.db); a shared RDB URL "
+                             "lets several machines work on one study")  # fmt: skip
+    parser.add_argument("--study-name", default=None, help="study name in the storage (default: run.output_dir's name)")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        raise UserError(f"--trials {args.trials}: a sweep runs at least one trial")
+    from finetune.config import load_config
+    from finetune.sweep import run_sweep
+
+    run_sweep(load_config(args.config, args.overrides), args.trials, args.storage, args.study_name)
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train,
     "plan": _cmd_plan,
@@ -355,6 +402,8 @@ COMMANDS = {
     "report": _cmd_report,
     "config": _cmd_config,
     "init": _cmd_init,
+    "export": _cmd_export,
+    "sweep": _cmd_sweep,
 }
 
 

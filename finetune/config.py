@@ -472,6 +472,82 @@ class LogConfig(_Section):
     )
 
 
+class SweepRange(_Section):
+    """One hyper-parameter of `sweep.space`: a range (`low`, `high`, `log`) or a list of `choices`."""
+
+    low: float | None = Field(None, description="smallest value of a range")
+    high: float | None = Field(None, description="largest value of a range")
+    log: bool = Field(False, description="sample the range log-uniformly (learning rates)")
+    choices: list[Any] | None = Field(None, description="sample one of these values instead of a range")
+
+    @model_validator(mode="after")
+    def _range(self) -> SweepRange:
+        if self.choices is not None:
+            if self.low is not None or self.high is not None or not self.choices:
+                raise ValueError("give either choices (a non-empty list) or low and high, not both")
+            return self
+        if self.low is None or self.high is None or self.low > self.high:
+            raise ValueError("a range needs low <= high (or give choices)")
+        if self.log and self.low <= 0:
+            raise ValueError("a log range needs low > 0")
+        return self
+
+
+# the search space of `finetune sweep` when a config has none (train.* keys)
+DEFAULT_SWEEP_SPACE = {
+    "train.learning_rate": {"low": 1e-5, "high": 1e-3, "log": True},
+    "train.warmup_ratio": {"low": 0.0, "high": 0.2},
+    "train.weight_decay": {"low": 0.0, "high": 0.1},
+}
+
+
+class SweepConfig(_Section):
+    """`sweep`: what `finetune sweep` searches (Optuna TPE, median pruning); `finetune train` ignores it."""
+
+    space: dict[str, SweepRange] = Field(
+        default_factory=lambda: {k: SweepRange(**v) for k, v in DEFAULT_SWEEP_SPACE.items()},
+        description="dotted config key -> {low, high, log} or {choices}; default: train.learning_rate log-uniform "
+        "1e-5..1e-3, train.warmup_ratio 0..0.2, train.weight_decay 0..0.1",
+    )
+    startup_trials: NonNegativeInt = Field(
+        3, description="trials that run to the end before median pruning may stop a trial early"
+    )
+    warmup_evaluations: NonNegativeInt = Field(
+        0, description="evaluations of a trial before it may be pruned (pruning compares train.eval_every_steps "
+        "evaluations)"
+    )
+    baseline: bool = Field(
+        True, description="the first trial of a new study runs the config's own values (when they are in the space)"
+    )
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    """The schema class inside a field's annotation (`LoraConfig | None` -> LoraConfig)."""
+    for a in (annotation, *typing.get_args(annotation)):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
+def _settable(key: str) -> Any:
+    """The field a dotted key names, when a sweep trial may set it (not run.* or sweep.*); else None."""
+    parts = key.split(".")
+    if len(parts) < 2 or parts[0] in ("run", "sweep"):
+        return None
+    cls: Any = Config
+    for part in parts[:-1]:
+        field = cls.model_fields.get(part)
+        cls = _section_class(field.annotation) if field is not None else None
+        if cls is None:
+            return None
+    return cls.model_fields.get(parts[-1])
+
+
+def _settable_keys() -> list[str]:
+    return [f"{s}.{f}" for s, h in Config.model_fields.items() if s not in ("run", "sweep")
+            for f in _section_class(h.annotation).model_fields]  # fmt: skip
+
+
 class Config(_Section):
     """The whole run: every section with its defaults."""
 
@@ -483,6 +559,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     memory: MemoryConfig = MemoryConfig()
     log: LogConfig = LogConfig()
+    sweep: SweepConfig = SweepConfig()
 
     @model_validator(mode="after")
     def _batch(self) -> Config:
@@ -544,6 +621,15 @@ class Config(_Section):
             raise ValueError(
                 "data.label_files gives one label per text: use model.problem_type=single_label_classification"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sweep_space(self) -> Config:
+        for key in self.sweep.space:
+            if _settable(key) is None:
+                close = difflib.get_close_matches(key, _settable_keys(), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"sweep.space: {key} is not a config key that a trial can set{hint}")
         return self
 
     @model_validator(mode="after")

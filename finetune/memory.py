@@ -435,13 +435,28 @@ def _breakdown_bar(ax: Any, report: dict[str, Any] | None) -> None:
 
 
 def latest_report(run_dir: Path) -> dict[str, Any] | None:
-    """memory.json of the newest checkpoint that has one."""
-    for path in sorted((Path(run_dir) / "checkpoints").glob("step_*/memory.json"), reverse=True):
+    """memory.json of the newest checkpoint that has one, else the run's final summary (<run>/memory.json)."""
+    paths = sorted((Path(run_dir) / "checkpoints").glob("step_*/memory.json"), reverse=True)
+    for path in [*paths, Path(run_dir) / "memory.json"]:
         try:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
     return None
+
+
+def run_peak_bytes(metrics_file: Path) -> int | None:
+    """The highest `peak_memory_bytes` of metrics.jsonl's training rows: the run's peak (CUDA allocated, else RSS)."""
+    peaks = []
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill
+            if row.get("peak_memory_bytes") is not None:
+                peaks.append(int(row["peak_memory_bytes"]))
+    return max(peaks) if peaks else None
 
 
 def report_table(run_dir: Path) -> str:

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 from finetune import checkpoint as ckpt
 from finetune import faults
 from finetune import memory as mem
+from finetune.card import write_model_card
 from finetune.checkpoint import TrainingProgress
 from finetune.config import Config, dump_config, flat_config, load_config
 from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
@@ -132,6 +134,7 @@ class Run:
     oom: OutOfMemoryGuard = field(default_factory=OutOfMemoryGuard)
     fold_clip: bool = False
     sample_memory: bool = False  # MemTracker windows feed checkpoints' memory reports: only with checkpoints
+    report: Callable[[int, dict[str, Any]], None] | None = None  # train()'s `report`
 
     @property
     def metrics_file(self) -> Path:
@@ -142,11 +145,14 @@ class Run:
 # The run.
 
 
-def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
+def train(
+    cfg: Config, guard: PreemptionGuard | None = None, report: Callable[[int, dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Run one fine-tuning job end to end; return the evaluation of what final/ holds.
 
     With `guard` installed (as `main` does) SIGTERM/SIGINT end the run at the next optimizer step
-    with a checkpoint and `Preempted`.
+    with a checkpoint and `Preempted`. `report(step, metrics)` is called after each periodic
+    evaluation (`finetune sweep` prunes through it: whatever it raises ends the run there).
 
     Raises:
         UserError: bad config, data, model or output directory (before anything is written), a full
@@ -206,7 +212,7 @@ def train(cfg: Config, guard: PreemptionGuard | None = None) -> dict[str, Any]:
     run.precision = PrecisionMonitor(cfg.precision.mode, cfg.train.nonfinite, accelerator.scaler, cfg.model.compile, P,
                                      lambda: (ckpt.list_checkpoints(run_dir) or [None])[-1])
     run.fold_clip = cfg.train.max_grad_norm is not None and clipping_folds_into_step(optimizer, accelerator)
-    run.sample_memory = cfg.checkpoint.every_steps is not None
+    run.sample_memory, run.report = cfg.checkpoint.every_steps is not None, report
 
     progress = TrainingProgress(data_seed=cfg.run.seed, micro_batch_size=micro, gradient_accumulation_steps=G,
                                 num_processes=P, best_metric=cfg.checkpoint.best_metric, data_sha256=data.sha256)
@@ -532,6 +538,8 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     record_row(run.accelerator, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
     run.bar.write(f"step {progress.step}: eval {headline(progress.eval)}")
     sums.started += time.perf_counter() - started
+    if run.report is not None:
+        run.report(progress.step, progress.eval)
 
 
 def prediction_config(cfg: Config, label_names: list[str], thresholds: list[float] | None) -> dict[str, Any]:
@@ -572,6 +580,19 @@ def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
                                 keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.best_metric)
 
 
+def final_memory_report(run: Run, step: int) -> dict[str, Any]:
+    """The run's final memory summary, <run>/memory.json and memory.md, written with or without checkpoints;
+    `run_peak_bytes` is the peak of the whole run (every log interval's and the last window's)."""
+    report = run.memory.report(step)
+    report["scope"] = "the final summary of the run (a checkpoint's memory.json covers the steps before it)"
+    last = (report.get("cuda") or {}).get("peak_allocated_bytes") or (report.get("cpu") or {}).get("peak_rss_bytes")
+    peaks = [p for p in (mem.run_peak_bytes(run.metrics_file), last) if p]
+    report["run_peak_bytes"] = max(peaks) if peaks else None
+    if run.accelerator.is_main_process:
+        run.memory.write(report, run.run_dir)
+    return report
+
+
 def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str, Any]:
     """Final evaluation and checkpoint, then final/ and an eval.json that describes final/'s weights."""
     acc, cfg = run.accelerator, run.cfg
@@ -586,6 +607,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     progress.finished = True
     if cfg.checkpoint.every_steps and not was_finished:
         save(run, progress, LogSums.zeros(acc.device))
+    memory_report = final_memory_report(run, progress.step)
     run.memory.close()
     final = {**progress.eval, "step": progress.step, "exported": "last"}
     best = ckpt.load_best_weights(acc, run.model, run.run_dir, cfg.checkpoint.best_metric) \
@@ -604,6 +626,8 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
                       prediction_config(cfg, run.data.label_names, thresholds))
     if acc.is_main_process:
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+        write_model_card(run.run_dir / "final", cfg, final, run.data.label_names, run.data.files, run.data.sha256,
+                         memory_report)
         if run.metrics_file.exists():
             plot_curves(run.metrics_file, run.run_dir / "curves.png")
             mem.plot_memory(run.metrics_file, run.run_dir / "memory.png", report=mem.latest_report(run.run_dir))

@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 LAYERS = [
     "errors", "config", "faults", "precision", "model", "data", "optim", "runtime", "memory", "planner", "metrics",
-    "checkpoint", "scaffold", "train", "cli",
+    "checkpoint", "card", "scaffold", "export", "train", "sweep", "cli",
 ]  # fmt: skip
 
 

@@ -1,0 +1,176 @@
+"""`finetune export --onnx FINAL_DIR OUT_DIR`: final/ as an ONNX model, checked with ONNX Runtime.
+
+The export is transformers' own (`transformers.exporters.OnnxExporter`: `torch.export` then
+`torch.onnx.export`, with transformers' patches for its models), with the batch and sequence axes
+of every input dynamic. OUT_DIR is self-contained: model.onnx (+ model.onnx.data), export.json,
+final/'s config.json and tokenizer. Before OUT_DIR is written the exported files are run with
+ONNX Runtime on texts of several lengths, one at a time and padded together, and their logits are
+compared with PyTorch's on final/: a difference above the tolerance is an error, and the numbers
+go to OUT_DIR/onnx_check.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import UserError
+
+logger = logging.getLogger("finetune")
+
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+CHECK_FILE = "onnx_check.json"
+# texts of several lengths (1 to ~70 words): the check runs each alone and all of them padded together
+CHECK_TEXTS = [
+    "fine",
+    "a fine film",
+    "dull and far too long for what it is",
+    "the performances are strong , but the script never decides what kind of film it wants to be , and the last "
+    "half hour drags",
+    "it is the kind of movie that makes you want to call your friends the moment it ends , not to warn them away "
+    "but to tell them that something this odd , this funny and this sad can still come out of a studio ; the "
+    "cast is game , the music is wonderful , and even the slow middle act earns its place by the final scene .",
+]
+
+
+def check_final_dir(final: Path) -> None:
+    """Refuse what is not an exported model directory (a run's final/).
+
+    Raises:
+        UserError: missing, not a directory, or without config.json / safetensors weights / tokenizer.
+    """
+    if not final.exists():
+        raise UserError(f"{final} does not exist (give a run's final/ directory)")
+    if not final.is_dir():
+        raise UserError(f"{final} is not a directory (give a run's final/ directory)")
+    weights = list(final.glob("*.safetensors"))
+    tokenizer = (final / "tokenizer.json").is_file() or (final / "tokenizer_config.json").is_file()
+    if not (final / "config.json").is_file() or not weights or not tokenizer:
+        raise UserError(f"{final} is not an exported model directory (final/ holds config.json, "
+                        "model.safetensors and the tokenizer)")
+
+
+def check_out_dir(out: Path, force: bool) -> None:
+    """Raises:
+        UserError: OUT_DIR exists (and is not empty) without --force, or is a file.
+    """
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file, not an output directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"{out} exists and is not empty: choose another OUT_DIR or pass --force to replace it")
+
+
+def import_onnx() -> Any:
+    """onnxruntime, after checking the export's packages are installed.
+
+    Raises:
+        UserError: onnx, onnxscript or onnxruntime is missing.
+    """
+    missing = []
+    for name in ONNX_PACKAGES:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise UserError(f"finetune export --onnx needs {', '.join(missing)}: pip install onnx onnxscript onnxruntime "
+                        "(requirements.txt pins them)")
+    import onnxruntime
+
+    return onnxruntime
+
+
+def load_final(final: Path) -> tuple[Any, Any]:
+    """final/'s tokenizer and model (fp32, eval mode)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def encode(tokenizer: Any, texts: list[str], names: list[str], framework: str = "pt") -> dict[str, Any]:
+    """The model's inputs `names` for `texts`, padded, cut at the tokenizer's model_max_length (final/'s max_length)."""
+    enc = tokenizer(texts, padding=True, truncation=True, return_tensors=framework)
+    return {k: enc[k] for k in names}
+
+
+def input_names(tokenizer: Any, model: Any) -> list[str]:
+    """The inputs the exported graph takes: what the tokenizer gives and the model's forward accepts."""
+    import inspect
+
+    accepted = inspect.signature(model.forward).parameters
+    enc = tokenizer(["a"], return_tensors="pt")
+    return [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc and k in accepted]
+
+
+def export_program(model: Any, sample: dict[str, Any]) -> Any:
+    """transformers' ONNX export of `model` with dynamic batch and sequence axes."""
+    from torch.export import Dim
+    from transformers.exporters.exporter_onnx import OnnxConfig, OnnxExporter
+
+    dims = {name: {0: Dim.DYNAMIC, 1: Dim.DYNAMIC} for name in sample}
+    return OnnxExporter().export(model, dict(sample), config=OnnxConfig(dynamic_shapes=dims))
+
+
+def compare(directory: Path, model: Any, names: list[str], texts: list[str]) -> dict[str, Any]:
+    """Logits of ONNX Runtime on directory/model.onnx (with directory's tokenizer) against PyTorch's, for each
+    text alone and all texts padded together."""
+    import numpy as np
+    import onnxruntime
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)  # OUT_DIR's own tokenizer: it must be self-contained
+    session = onnxruntime.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
+    graph_inputs = [i.name for i in session.get_inputs()]
+    batches = [[t] for t in texts] + [texts]
+    rows = []
+    for batch in batches:
+        enc = encode(tokenizer, batch, names, "np")
+        onnx_logits = session.run(["logits"], {k: enc[k].astype(np.int64) for k in graph_inputs})[0]
+        with torch.no_grad():
+            torch_logits = model(**{k: torch.from_numpy(enc[k]) for k in names}).logits.float().numpy()
+        rows.append({"batch": len(batch), "tokens": int(enc["input_ids"].shape[1]),
+                     "max_abs_diff": float(np.abs(onnx_logits - torch_logits).max())})  # fmt: skip
+    return {"inputs": graph_inputs, "checks": rows, "max_abs_diff": max(r["max_abs_diff"] for r in rows)}
+
+
+def export_onnx(final: Path, out: Path, force: bool = False, texts: list[str] | None = None,
+                atol: float = 1e-4) -> dict[str, Any]:
+    """Export final/ to OUT_DIR as ONNX, checked against PyTorch; returns the check (onnx_check.json).
+
+    Raises:
+        UserError: bad FINAL_DIR / OUT_DIR, missing packages, or ONNX Runtime's logits differ by more than `atol`.
+    """
+    final, out = Path(final), Path(out)
+    check_final_dir(final)
+    check_out_dir(out, force)
+    import_onnx()
+    started = time.perf_counter()
+    tokenizer, model = load_final(final)
+    names = input_names(tokenizer, model)
+    texts = texts or CHECK_TEXTS
+    exported = export_program(model, encode(tokenizer, texts[1:3] if len(texts) > 2 else texts, names))
+    tmp = out.with_name(f".tmp-{out.name}")  # OUT_DIR appears only once the check has passed
+    shutil.rmtree(tmp, ignore_errors=True)
+    exported.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.copyfile(final / "config.json", tmp / "config.json")  # final/'s keys (label thresholds, windowing)
+    check = compare(tmp, model, names, texts) | {"tolerance": atol, "export_seconds": time.perf_counter() - started}
+    (tmp / CHECK_FILE).write_text(json.dumps(check, indent=2))
+    if check["max_abs_diff"] > atol:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"ONNX Runtime's logits differ from PyTorch's by {check['max_abs_diff']:.2e} (> {atol:g}) "
+                        f"on {final}: nothing written")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return check
