@@ -384,13 +384,16 @@ def _cmd_sweep(argv: list[str]) -> int:
                         help="Optuna storage URL (default sqlite:///<run.output_dir>/study.db); a shared RDB URL "
                              "lets several machines work on one study")  # fmt: skip
     parser.add_argument("--study-name", default=None, help="study name in the storage (default: run.output_dir's name)")
+    parser.add_argument("--timeout", type=float, default=None, help="start no trial after this many seconds")
     args = parser.parse_args(argv)
     if args.trials < 1:
         raise UserError(f"--trials {args.trials}: a sweep runs at least one trial")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UserError(f"--timeout {args.timeout:g}: give a positive number of seconds")
     from finetune.config import load_config
     from finetune.sweep import run_sweep
 
-    run_sweep(load_config(args.config, args.overrides), args.trials, args.storage, args.study_name)
+    run_sweep(load_config(args.config, args.overrides), args.trials, args.storage, args.study_name, args.timeout)
     return 0
 
 

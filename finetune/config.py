@@ -845,10 +845,10 @@ def schema_markdown() -> str:
         for name, f in model.model_fields.items():
             default = "required" if f.is_required() else json.dumps(f.default if f.default_factory is None else None)
             lines.append(f"| `{section}.{name}` | {_type_name(f.annotation)} | {default} | {f.description or ''} |")
-            if name == "lora":
-                for sub, g in LoraConfig.model_fields.items():
-                    lines.append(f"| `{section}.lora.{sub}` | {_type_name(g.annotation)} | {json.dumps(g.default)} | "
-                                 f"{g.description or ''} |")  # fmt: skip
+            nested = {"lora": LoraConfig, "space": SweepRange}.get(name)  # sub-keys (of each entry, for space)
+            for sub, g in nested.model_fields.items() if nested is not None else []:
+                lines.append(f"| `{section}.{name}.{sub}` | {_type_name(g.annotation)} | {json.dumps(g.default)} | "
+                             f"{g.description or ''} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 

@@ -154,8 +154,10 @@ def write_best(study: Any, base: Config, root: Path) -> Path | None:
     return path
 
 
-def run_sweep(base: Config, trials: int, storage: str | None = None, study_name: str | None = None) -> Any:
+def run_sweep(base: Config, trials: int, storage: str | None = None, study_name: str | None = None,
+              timeout: float | None = None) -> Any:
     """Run `trials` trials of the study (created, or continued when it exists) and write best.yaml; the study.
+    With `timeout` (seconds) no trial starts after that time (Optuna's own timeout).
 
     Raises:
         UserError: `trials` below 1, no validation data to score trials on, optuna missing.
@@ -188,7 +190,7 @@ def run_sweep(base: Config, trials: int, storage: str | None = None, study_name:
         study.enqueue_trial(baseline)  # trial 0 runs the config as given: the number to beat
     logger.info(f"sweep: {trials} trial(s) of study {study.study_name!r} ({direction} {metric}) in {storage}")
     with PreemptionGuard() as guard:
-        study.optimize(_objective(base, root, guard), n_trials=trials, gc_after_trial=True,
+        study.optimize(_objective(base, root, guard), n_trials=trials, timeout=timeout, gc_after_trial=True,
                        callbacks=[_progress_line(trials, metric, time.perf_counter())])
     best = write_best(study, base, root)
     if best is not None:

@@ -80,8 +80,13 @@ def _save_final(directory: Path, model: torch.nn.Module, tokenizer: Any, max_len
 
 def _tiny_finals(root: Path) -> dict[str, Path]:
     """A multi-label BERT and a Llama classifier (random tiny weights), saved as final/ would be."""
-    from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, LlamaConfig,
-                              LlamaForSequenceClassification)  # fmt: skip
+    from transformers import (
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,  # fmt: skip
+    )
 
     from finetune.model import resolve_model_path
 
