@@ -460,7 +460,7 @@ def run_peak_bytes(metrics_file: Path) -> int | None:
 
 
 def report_table(run_dir: Path) -> str:
-    """`finetune report RUN_DIR`: one row per checkpoint with its memory report.
+    """`finetune report RUN_DIR`: one row per checkpoint with its memory report, then the run's final summary.
 
     Raises:
         UserError: `run_dir` is not a run directory.
@@ -469,15 +469,15 @@ def report_table(run_dir: Path) -> str:
     if not Path(run_dir).is_dir():
         raise UserError(f"{run_dir} is not a run directory")
     reports = []
-    for d in sorted(root.glob("step_*")) if root.is_dir() else []:
-        f = d / "memory.json"
+    files = sorted(root.glob("step_*/memory.json")) if root.is_dir() else []
+    for f in [*files, Path(run_dir) / "memory.json"]:
         if f.is_file():
             try:
-                reports.append(json.loads(f.read_text()))
+                reports.append(json.loads(f.read_text()) | ({"step": "final"} if f.parent == Path(run_dir) else {}))
             except json.JSONDecodeError:
                 continue
     if not reports:
-        return f"{run_dir}: no checkpoint with a memory report"
+        return f"{run_dir}: no memory report (a run writes memory.json when it finishes, a checkpoint its own)"
     head = ["step", "peak", "params", "grads", "optim", "activ", "temps", "device peak", "breakdown"]
     rows = []
     for r in reports:
@@ -515,7 +515,7 @@ def report_table(run_dir: Path) -> str:
 
     cfg = reports[-1].get("config", {})
     lines = [
-        f"memory per checkpoint of {run_dir} (MiB; {', '.join(f'{k}={v}' for k, v in cfg.items())})",
+        f"memory per checkpoint and at the end of {run_dir} (MiB; {', '.join(f'{k}={v}' for k, v in cfg.items())})",
         fmt(head),
         fmt(["-" * w for w in widths]),
     ]

@@ -125,7 +125,7 @@ def test_every_checkpoint_has_a_memory_report(
     assert cli_main(["report", str(run)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1].split()[:3] == ["step", "peak", "params"]
-    assert [line.split()[0] for line in table[3:]] == ["1", "2", "3"]
+    assert [line.split()[0] for line in table[3:]] == ["1", "2", "3", "final"]  # the run's final summary last
 
 
 def test_a_compiled_model_is_not_sampled() -> None:
