@@ -391,9 +391,15 @@ def _cmd_sweep(argv: list[str]) -> int:
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout:g}: give a positive number of seconds")
     from finetune.config import load_config
+    from finetune.runtime import Preempted
     from finetune.sweep import run_sweep
 
-    run_sweep(load_config(args.config, args.overrides), args.trials, args.storage, args.study_name, args.timeout)
+    try:
+        run_sweep(load_config(args.config, args.overrides), args.trials, args.storage, args.study_name, args.timeout)
+    except Preempted as exc:  # the trial in progress is recorded as failed; finished trials stay in the study
+        print(f"{exc.signal_name}: the sweep stopped in a trial at step {exc.step} (checkpoint {exc.checkpoint}); "
+              "run the same command again to add trials to the study", file=sys.stderr)
+        return exc.exit_code
     return 0
 
 
