@@ -89,6 +89,8 @@ def _pruning_report(trial: Any, metric: str, run_dir: Path) -> Any:
         trial.report(float(metrics[metric]), step)
         if trial.should_prune():
             _write_trial_file(run_dir, trial.number, trial.params, "pruned", float(metrics[metric]), step)
+            logger.info(f"sweep: trial {trial.number} pruned at step {step} ({metric} {metrics[metric]:.4f} is "
+                        "worse than the median of earlier trials at this step)")
             raise optuna.TrialPruned(f"pruned at step {step}: {metric} {metrics[metric]:.4f}")
 
     return report

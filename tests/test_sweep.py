@@ -78,6 +78,7 @@ def test_a_trial_below_the_median_is_pruned_and_left_as_a_marked_run(tmp_path: P
     assert (run / "config.yaml").is_file() and not (run / "final").exists()  # an ordinary run dir, stopped early
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == 2
+    assert "sweep: trial 1 pruned at step 2" in (run / "train.log").read_text()
 
 
 @pytest.mark.parametrize(
