@@ -66,6 +66,9 @@ def main() -> None:
     model = AutoModelForSequenceClassification.from_pretrained(final).eval()
     opts = onnxruntime.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = args.threads, 1
+    # ORT's idle threads spin by default: alternating with PyTorch on a small CPU they starve its threads
+    # (measured: PyTorch batch 1 25x slower than alone), so both runtimes wait passively here
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = onnxruntime.InferenceSession(str(work / "onnx" / "model.onnx"), opts, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
 
