@@ -65,6 +65,7 @@ HARMLESS_KEYS = {
     "precision.empty_cache",
     # what `finetune sweep` searches: a trial's own values are in the other keys
     "sweep.space",
+    "sweep.random_trials",
     "sweep.startup_trials",
     "sweep.warmup_evaluations",
     "sweep.baseline",

@@ -509,6 +509,9 @@ class SweepConfig(_Section):
         description="dotted config key -> {low, high, log} or {choices}; default: train.learning_rate log-uniform "
         "1e-5..1e-3, train.warmup_ratio 0..0.2, train.weight_decay 0..0.1",
     )
+    random_trials: NonNegativeInt = Field(
+        10, description="trials sampled at random before TPE models the results (Optuna's n_startup_trials)"
+    )
     startup_trials: NonNegativeInt = Field(
         3, description="trials that run to the end before median pruning may stop a trial early"
     )

@@ -180,7 +180,7 @@ def run_sweep(base: Config, trials: int, storage: str | None = None, study_name:
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress line per trial; errors reach the user as ours
     study = optuna.create_study(
         study_name=study_name or root.resolve().name, storage=storage, load_if_exists=True, direction=direction,
-        sampler=optuna.samplers.TPESampler(seed=base.run.seed),
+        sampler=optuna.samplers.TPESampler(n_startup_trials=base.sweep.random_trials, seed=base.run.seed),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=base.sweep.startup_trials,
                                            n_warmup_steps=_warmup_steps(base)),
     )
