@@ -257,7 +257,7 @@ def _cmd_evaluate(argv: list[str]) -> int:
 
     from finetune.config import load_config
     from finetune.data import load_raw_splits
-    from finetune.metrics import compute_metrics
+    from finetune.metrics import bootstrap_ci, compute_metrics
 
     cfg = load_config(args.config, args.overrides)
     tokenizer, model = _load_classifier(args.model)
@@ -278,6 +278,8 @@ def _cmd_evaluate(argv: list[str]) -> int:
         y_true = np.asarray(raw.targets(ds))
         per_label = [thresholds[n] for n in names] if thresholds else [0.5] * len(names)
         result[split] = compute_metrics(kind, y_true, logits, names, per_label)
+        result[split] |= bootstrap_ci(kind, y_true, logits, len(names), per_label, cfg.train.bootstrap_resamples,
+                                      cfg.run.seed)  # fmt: skip
     if not result:
         raise UserError(f"{args.config} has no validation or test data to evaluate on")
     print(json.dumps(result, indent=2))

@@ -6,7 +6,8 @@ decay (`train.layer_lr_decay`), a separate head learning rate (`train.head_learn
 re-initialising the top layer (`train.reinit_top_layers`). Every run is the real
 `python finetune/train.py` with overrides; the variants of one seed run back to back, so drift in the
 machine's load hits them alike. Reports SST-2 dev accuracy at the end of training (with final/'s
-bootstrap interval) and the wall time of each run.
+bootstrap interval) and the wall time of each run. Each run uses one CPU thread (`run.num_threads=1`):
+on a machine shared with other work a 2-thread run slowed ~8x here, a 1-thread one far less.
 
     .venv/bin/python scripts/bench_recipes.py [--seeds 42 43 44] [--only baseline llrd ...] [--out FILE]
 
@@ -38,7 +39,7 @@ def run(config: str, overrides: list[str], out: Path) -> tuple[dict, float]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
     cmd = [sys.executable, "finetune/train.py", "--config", config, f"run.output_dir={out}", "run.overwrite=true",
-           "train.eval_every_steps=null", *overrides]  # fmt: skip
+           "train.eval_every_steps=null", "run.num_threads=1", *overrides]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
