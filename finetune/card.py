@@ -133,9 +133,13 @@ def memory_lines(report: dict[str, Any] | None) -> list[str]:
 
 
 def _scores_table(final: dict[str, Any]) -> list[str]:
-    rows = ["| split | metric | value |", "|---|---|---:|"]
+    """Each split's metrics, with eval.json's bootstrap interval (`<metric>_ci`) where it has one."""
+    rows = ["| split | metric | value | bootstrap interval (eval.json) |", "|---|---|---:|---|"]
     for split, scores in (("validation", final), ("test", final.get("test") or {})):
-        rows += [f"| {split} | {HUB_METRICS[k][1]} | {scores[k]:.4f} |" for k in HUB_METRICS if k in scores]
+        for k in (k for k in HUB_METRICS if k in scores):
+            ci = scores.get(f"{k}_ci")
+            rows.append(f"| {split} | {HUB_METRICS[k][1]} | {scores[k]:.4f} | "
+                        + (f"{ci[0]:.4f} - {ci[1]:.4f} |" if ci else "- |"))  # fmt: skip
     return rows
 
 

@@ -165,7 +165,7 @@ def model_logits(
             batch = tokenizer.pad([{k: enc[k][i] for k in keys} for i in idx], return_tensors="pt")
             out[idx] = model(**batch).logits.float()
     docs = torch.tensor(enc["doc"])
-    logits, _ = per_text(out, docs, docs, getattr(c, "chunk_aggregate", "mean"))
+    logits, _, _ = per_text(out, docs, docs, getattr(c, "chunk_aggregate", "mean"))
     return logits.numpy()
 
 
@@ -258,7 +258,7 @@ def _cmd_evaluate(argv: list[str]) -> int:
 
     from finetune.config import load_config
     from finetune.data import load_raw_splits
-    from finetune.metrics import compute_metrics
+    from finetune.metrics import bootstrap_ci, compute_metrics
 
     cfg = load_config(args.config, args.overrides)
     tokenizer, model = _load_classifier(args.model)
@@ -279,6 +279,8 @@ def _cmd_evaluate(argv: list[str]) -> int:
         y_true = np.asarray(raw.targets(ds))
         per_label = [thresholds[n] for n in names] if thresholds else [0.5] * len(names)
         result[split] = compute_metrics(kind, y_true, logits, names, per_label)
+        result[split] |= bootstrap_ci(kind, y_true, logits, len(names), per_label, cfg.train.bootstrap_resamples,
+                                      cfg.run.seed)  # fmt: skip
     if not result:
         raise UserError(f"{args.config} has no validation or test data to evaluate on")
     print(json.dumps(result, indent=2))
@@ -287,15 +289,24 @@ def _cmd_evaluate(argv: list[str]) -> int:
 
 def _cmd_report(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="finetune report", description="Memory reports of a run's checkpoints as one table."
+        prog="finetune report",
+        description="Memory reports of a run's checkpoints as one table; with --errors, the model's worst mistakes.",
     )
     parser.add_argument("run_dir", help="a run directory (run.output_dir)")
     parser.add_argument("--plots", action="store_true", help="write curves.png and memory.png of the run again")
+    parser.add_argument("--errors", type=int, metavar="N", default=None,
+                        help="print the N most confident mistakes of final/'s weights (from predictions.jsonl)")
+    parser.add_argument("--split", choices=["validation", "test"], default=None, help="with --errors: one split only")
     args = parser.parse_args(argv)
     from finetune.memory import latest_report, plot_memory, report_table
-    from finetune.metrics import plot_curves
+    from finetune.metrics import confident_mistakes, format_mistakes, plot_curves
 
     run = Path(args.run_dir)
+    if args.errors is not None:
+        rows = _read_predictions(run, args.errors, args.split)
+        mistakes = confident_mistakes(rows, args.errors)
+        print(format_mistakes(mistakes) if mistakes else f"no mistakes among {len(rows)} predictions")
+        return 0
     print(report_table(run))
     if args.plots:
         metrics = run / "metrics.jsonl"
@@ -305,6 +316,24 @@ def _cmd_report(argv: list[str]) -> int:
         plot_memory(metrics, run / "memory.png", report=latest_report(run))
         print(f"wrote {run / 'curves.png'} and {run / 'memory.png'}", file=sys.stderr)
     return 0
+
+
+def _read_predictions(run: Path, n: int, split: str | None) -> list[dict[str, Any]]:
+    """The rows of RUN/predictions.jsonl (of `split` only, when given).
+
+    Raises:
+        UserError: n < 1, no predictions.jsonl, or none of `split`.
+    """
+    if n < 1:
+        raise UserError(f"--errors needs a positive count, got {n}")
+    path = run / "predictions.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} not found: a finished run with validation or test data writes it")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if split is None or r["split"] == split]
+    if not rows:
+        raise UserError(f"{path} has no {split} predictions")
+    return rows
 
 
 def _cmd_init(argv: list[str]) -> int:

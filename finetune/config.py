@@ -393,6 +393,25 @@ class TrainConfig(_Section):
     early_stopping_patience: PositiveInt | None = Field(
         None, description="stop after this many evaluations without improving checkpoint.best_metric"
     )
+    layer_lr_decay: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="layer-wise learning-rate decay: the layer below the top gets learning_rate x decay, the one "
+        "below x decay^2, down to the embeddings (the head and what sits above the last layer keep learning_rate); "
+        "1: off",
+    )
+    head_learning_rate: PositiveFloat | None = Field(
+        None, description="peak learning rate of the classification head (null: train.learning_rate)"
+    )
+    reinit_top_layers: int = Field(
+        0, ge=0, description="re-initialise the top N transformer layers of a pretrained model before training"
+    )
+    bootstrap_resamples: int = Field(
+        1000,
+        ge=0,
+        description="bootstrap resamples for the 95% confidence intervals of eval.json's headline metrics (0: none)",
+    )
 
     @model_validator(mode="after")
     def _patience(self) -> TrainConfig:

@@ -846,6 +846,8 @@ class Data:
     files: dict[str, Path]
     sha256: dict[str, str]  # of each data file: provenance.json, and resume refuses changed data
     problem_type: str = SINGLE
+    texts: dict[str, list[str]] = field(default_factory=dict)  # validation / test texts: predictions.jsonl
+    pairs: dict[str, list[str]] = field(default_factory=dict)  # their second texts, for pair tasks
 
 
 def build_data(cfg: Config, tokenizer: Any) -> Data:
@@ -874,8 +876,11 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
         tok["train"] = tok["train"].add_column("weight", weights)
     report = build_data_report(raw, tok)
     sha = {split: file_sha256(p) for split, p in raw.files.items()}
+    held_out = {n: ds for n, ds in (("validation", raw.validation), ("test", raw.test)) if ds is not None}
     return Data(
-        tok["train"], tok.get("validation"), tok.get("test"), raw.label_names, report, raw.files, sha, raw.problem_type
+        tok["train"], tok.get("validation"), tok.get("test"), raw.label_names, report, raw.files, sha, raw.problem_type,
+        texts={n: ds["text"][:] for n, ds in held_out.items()},
+        pairs={n: ds["text_pair"][:] for n, ds in held_out.items() if "text_pair" in ds.column_names},
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -193,6 +194,8 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
             dtype=torch.float32,
         )
     use_pad_token(model, tokenizer)
+    if cfg.train.reinit_top_layers:
+        reinit_top_layers(model, cfg.train.reinit_top_layers)
     if m.gradient_checkpointing:
         # non-reentrant: works with frozen inputs and under torch.compile. transformers 5 renamed the
         # method (the old name prints a FutureWarning on every run); older releases only have the old one
@@ -246,6 +249,42 @@ def head_names(model: PreTrainedModel) -> list[str]:
     if base not in children:  # a remote-code model without the usual layout: the known head names only
         return [n for n in HEAD_NAMES if isinstance(children.get(n), torch.nn.Module)]
     return [n for n, c in children.items() if n != base and any(True for _ in c.parameters())]
+
+
+# A numbered transformer block in a parameter or module name: BERT-style `encoder.layer.3`, decoder and
+# ModernBERT `layers.3`, GPT-2-style `h.3`, T5-style `block.3`.
+LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layer|layers|h|block|blocks)\.(\d+)(?:\.|$)")
+
+
+def layer_index(name: str) -> int | None:
+    """The block number in a parameter or module name (`bert.encoder.layer.3.output.dense.weight` -> 3)."""
+    found = LAYER_PATTERN.search(name)
+    return int(found.group(1)) if found else None
+
+
+def reinit_top_layers(model: PreTrainedModel, n: int) -> None:
+    """Re-initialise the top `n` transformer blocks with the model's own initialiser (`_init_weights`).
+
+    Pretrained weights are flagged as initialised, and transformers' initialiser skips flagged
+    tensors, so the flags are cleared on the blocks first.
+
+    Raises:
+        UserError: the model has fewer than `n` numbered blocks.
+    """
+    blocks = {}
+    for name, module in model.named_modules():
+        found = LAYER_PATTERN.search(name)
+        if found and found.end() == len(name):  # the block itself (its first number), not a module inside it
+            blocks[int(found.group(1))] = module
+    if n > len(blocks):
+        raise UserError(f"train.reinit_top_layers={n}, but {type(model).__name__} has {len(blocks)} numbered layers")
+    for index in sorted(blocks)[len(blocks) - n :]:
+        block = blocks[index]
+        for tensor in [*block.parameters(), *block.buffers()]:
+            tensor._is_hf_initialized = False  # type: ignore[attr-defined]
+        for module in block.modules():
+            module._is_hf_initialized = False
+        block.apply(model._init_weights)
 
 
 # LoRA targets when `model.lora.target_modules` is unset: the attention's query and value
@@ -356,7 +395,7 @@ PACKED_POOLING = {
 POSITIONS_AFTER_PAD = ("roberta", "xlm-roberta")
 
 
-def _classifier_of(model: torch.nn.Module) -> PreTrainedModel:
+def classifier_of(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers classifier inside DDP / peft / compile wrappers (the outermost one)."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
@@ -370,7 +409,7 @@ def check_packing(model: torch.nn.Module) -> None:
     Raises:
         UserError: the model family does not support packing.
     """
-    hf = _classifier_of(model)
+    hf = classifier_of(model)
     kind = hf.config.model_type
     if kind not in PACKED_POOLING:
         raise UserError(
@@ -387,7 +426,7 @@ def check_packing(model: torch.nn.Module) -> None:
 def attention_cost(model: torch.nn.Module) -> float:
     """Attention work per token per unit of row length, relative to the linear layers' per token:
     4·hidden·L against 2·(4·hidden² + 2·hidden·intermediate) FLOPs per layer = L / (2·hidden + intermediate)."""
-    cfg = _classifier_of(model).config
+    cfg = classifier_of(model).config
     hidden = getattr(cfg, "hidden_size", 0) or 0
     inter = getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden
     return 1.0 / (2 * hidden + inter) if hidden else 0.0
@@ -401,7 +440,7 @@ def packed_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
     token: in eval mode the logits equal the unpacked ones up to rounding (tests/test_packing.py).
     The call goes through `model` itself, so DDP, autocast and peft wrappers all apply.
     """
-    hf = _classifier_of(model)
+    hf = classifier_of(model)
     segments = batch["segment_ids"]
     mask = segments[:, None, :, None] == segments[:, None, None, :]  # (rows, 1, C, C), True = attend
     if (getattr(hf.config, "_attn_implementation", None) or "eager") == "eager":

@@ -21,6 +21,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from finetune.config import Config
 from finetune.errors import UserError
+from finetune.model import classifier_of, head_names, layer_index
 from finetune.precision import Bf16AdamW
 
 # process layouts where every process holds whole parameters and gradients (no FSDP/DeepSpeed sharding)
@@ -28,16 +29,12 @@ _WHOLE_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedTy
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW (or SGD) with no weight decay on biases and norm weights (every parameter with ndim < 2).
+    """AdamW (or SGD) over `parameter_groups`: no weight decay on biases and norm weights.
 
     Plain SGD makes the update proportional to the gradient, which is what tests of exact
     accumulation compare; AdamW's update is nearly invariant to the gradient's scale.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.train.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    groups = parameter_groups(cfg, model)
     t = cfg.train
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
@@ -60,6 +57,56 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
     return torch.optim.AdamW(
         groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, fused=_fused_adamw_ok(cfg)
     )
+
+
+def parameter_groups(cfg: Config, model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Trainable parameters in groups of one learning rate and weight decay each, top first.
+
+    Weight decay skips biases and norm weights (every parameter with ndim < 2). Without recipes
+    that is two groups at `train.learning_rate`. `train.head_learning_rate` gives the head its own
+    rate; `train.layer_lr_decay` d < 1 gives numbered block i of L the rate lr x d^(L - i) and the
+    embeddings lr x d^(L + 1), while the head and what sits above the blocks (final norm, pooler)
+    keep lr (the ULMFiT / ELECTRA recipe). Each group has a `name` for the log.
+
+    Raises:
+        UserError: train.layer_lr_decay < 1 on a model without numbered layers.
+    """
+    t = cfg.train
+    hf = classifier_of(model)
+    heads = set(head_names(hf))
+    named = [(n, p) for n, p in hf.named_parameters() if p.requires_grad]
+    depth = {n: layer_index(n) for n, _ in named}
+    layers = max((d for d in depth.values() if d is not None), default=-1) + 1
+    if t.layer_lr_decay < 1 and layers == 0:
+        raise UserError(f"train.layer_lr_decay needs numbered layers; {type(hf).__name__} has none: remove it")
+
+    def place(name: str) -> tuple[str, float]:
+        if name.split(".")[0] in heads:
+            return "head", t.head_learning_rate or t.learning_rate
+        index = depth[name]
+        if index is not None:
+            return f"layer {index}", t.learning_rate * t.layer_lr_decay ** (layers - index)
+        if "embed" in name:
+            return "embeddings", t.learning_rate * t.layer_lr_decay ** (layers + 1)
+        return "top", t.learning_rate  # final norm, pooler: above the last block
+
+    groups: dict[tuple[str, bool], dict[str, Any]] = {}
+    for name, param in named:
+        where, lr = place(name) if (t.layer_lr_decay < 1 or t.head_learning_rate) else ("all", t.learning_rate)
+        decay = param.ndim >= 2
+        group = groups.setdefault((where, decay), {"params": [], "lr": lr, "name": where,
+                                                   "weight_decay": t.weight_decay if decay else 0.0})
+        group["params"].append(param)
+    # the head or top first (the logged lr is the first group's), decayed parameters before the rest
+    return [g for (_, decay), g in sorted(groups.items(), key=lambda kv: (-kv[1]["lr"], not kv[0][1]))]
+
+
+def describe_groups(optimizer: torch.optim.Optimizer) -> str | None:
+    """`learning rates: head 1.0e-03, top 1.0e-04, layer 5 8.0e-05, ...` when the recipes split them."""
+    rates = {g["name"]: g.get("initial_lr", g["lr"]) for g in optimizer.param_groups if "name" in g}  # peak, not warmup
+    if set(rates) <= {"all"}:
+        return None
+    return "learning rates: " + ", ".join(f"{name} {lr:.1e}" for name, lr in rates.items())
 
 
 def _fused_adamw_ok(cfg: Config) -> bool:

@@ -36,7 +36,18 @@ from finetune.checkpoint import TrainingProgress
 from finetune.config import Config, dump_config, flat_config, load_config
 from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
 from finetune.errors import UserError
-from finetune.metrics import eval_row, evaluate, final_summary, headline, plot_curves, record_row
+from finetune.metrics import (
+    Outputs,
+    bootstrap_ci,
+    collect_outputs,
+    eval_row,
+    final_summary,
+    headline,
+    plot_curves,
+    prediction_rows,
+    record_row,
+    score,
+)
 from finetune.model import (
     attention_cost,
     build_model,
@@ -50,6 +61,7 @@ from finetune.optim import (
     build_optimizer,
     build_scheduler,
     clipping_folds_into_step,
+    describe_groups,
     fold_clipping_into_step,
     planned_steps,
 )
@@ -134,6 +146,7 @@ class Run:
     oom: OutOfMemoryGuard = field(default_factory=OutOfMemoryGuard)
     fold_clip: bool = False
     sample_memory: bool = False  # MemTracker windows feed checkpoints' memory reports: only with checkpoints
+    outputs: dict[str, Outputs] = field(default_factory=dict)  # each split's latest evaluation, per text
     report: Callable[[int, dict[str, Any]], None] | None = None  # train()'s `report`
 
     @property
@@ -188,8 +201,9 @@ def train(
     setup_logging(accelerator, run_dir)
     logger.info(format_data_report(data.report))
     logger.info(format_audit(audit))
-    if pad_note:
-        logger.info(pad_note)
+    for note in (pad_note, describe_groups(optimizer)):
+        if note:
+            logger.info(note)
     trainable, total_params = count_parameters(model)
     logger.info(
         f"model: {trainable:,} trainable / {total_params:,} parameters; {len(data.label_names)} labels; "
@@ -532,7 +546,7 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     """A periodic evaluation: metrics row, best-metric bookkeeping; its time is not throughput."""
     started = time.perf_counter()
     release_cached_memory(run.cfg.precision.empty_cache, run.accelerator.device)
-    progress.eval = evaluate_split(run, run.eval_loader, progress.step)
+    progress.eval = evaluate_split(run, "validation", progress.step)
     progress.eval["step"] = progress.step
     ckpt.update_best(progress.best, run.cfg.checkpoint.best_metric, progress.eval, progress.step)
     record_row(run.accelerator, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
@@ -554,10 +568,34 @@ def prediction_config(cfg: Config, label_names: list[str], thresholds: list[floa
     return extra
 
 
-def evaluate_split(run: Run, loader: Any, fault_step: int = 0, thresholds: list[float] | None = None) -> dict:
-    """`metrics.evaluate` of the run's model on one prepared loader, for the run's problem type."""
-    return evaluate(run.model, loader, run.accelerator, run.data.label_names, fault_step,
-                    run.cfg.model.problem_type, thresholds, run.cfg.data.chunk_aggregate)
+def evaluate_split(
+    run: Run, split: str, fault_step: int = 0, thresholds: list[float] | None = None
+) -> dict[str, Any]:
+    """The metrics of the run's model on `split` ("validation" or "test"); its outputs are kept in
+    `run.outputs` for the intervals and predictions.jsonl of final/'s weights."""
+    loader = run.eval_loader if split == "validation" else run.test_loader
+    run.outputs[split] = collect_outputs(run.model, loader, run.accelerator, fault_step, run.cfg.data.chunk_aggregate)
+    return score(run.outputs[split], run.cfg.model.problem_type, run.data.label_names, thresholds)
+
+
+def describe_final(run: Run, final: dict[str, Any], thresholds: list[float] | None) -> None:
+    """Add bootstrap intervals to final/'s metrics (validation, and test inside them) and write
+    predictions.jsonl, one row per validation and test text, for the same weights."""
+    cfg, rows = run.cfg, []
+    for split, metrics in (("validation", final if run.eval_loader is not None else None), ("test", final.get("test"))):
+        if metrics is None:
+            continue
+        if split not in run.outputs:  # a finished run resumed: its last evaluation was in the earlier process
+            evaluate_split(run, split, thresholds=thresholds)
+        out = run.outputs[split]
+        metrics.update(bootstrap_ci(cfg.model.problem_type, out.labels.numpy(), out.logits.numpy(),
+                                    len(run.data.label_names), thresholds, cfg.train.bootstrap_resamples, cfg.run.seed))
+        rows += prediction_rows(split, out, run.data.texts[split], run.data.pairs.get(split),
+                                cfg.model.problem_type, run.data.label_names, thresholds)
+    if run.accelerator.is_main_process and rows:
+        tmp = run.run_dir / "predictions.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(run.run_dir / "predictions.jsonl")
 
 
 def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
@@ -599,7 +637,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     run.bar.close()
     release_cached_memory(cfg.precision.empty_cache, acc.device)
     if run.eval_loader is not None and progress.eval.get("step") != progress.step:  # not twice for one step
-        progress.eval = evaluate_split(run, run.eval_loader, progress.step)
+        progress.eval = evaluate_split(run, "validation", progress.step)
         progress.eval["step"] = progress.step
         ckpt.update_best(progress.best, cfg.checkpoint.best_metric, progress.eval, progress.step)
         if not was_finished:
@@ -614,16 +652,17 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         if cfg.checkpoint.export == "best" else None
     if best is not None:
         best_step = ckpt.read_progress(best).step
-        final = {**evaluate_split(run, run.eval_loader), "step": best_step, "exported": "best"}
+        final = {**evaluate_split(run, "validation"), "step": best_step, "exported": "best"}
     thresholds = final.get("thresholds")  # multi-label: tuned on validation, applied to test and in final/
     if thresholds is None and cfg.model.problem_type == "multi_label_classification":
         thresholds = [0.5] * len(run.data.label_names)  # no validation to tune on: never tune on test
     if run.test_loader is not None:
-        final["test"] = evaluate_split(run, run.test_loader, thresholds=thresholds)
+        final["test"] = evaluate_split(run, "test", thresholds=thresholds)
         acc.log({k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},
                 step=progress.step)
     ckpt.export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length,
                       prediction_config(cfg, run.data.label_names, thresholds))
+    describe_final(run, final, thresholds)
     if acc.is_main_process:
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         write_model_card(run.run_dir / "final", cfg, final, run.data.label_names, run.data.files, run.data.sha256,

@@ -160,7 +160,7 @@ def run_finetune(
     # CPU time of the loop, for a shared machine: from the loop's first set_epoch to the final
     # evaluation (the first evaluate call when there is no evaluation during training)
     marks: dict[str, float] = {}
-    set_epoch, evaluate = WindowedBatchSampler.set_epoch, ft.evaluate
+    set_epoch, collect, score = WindowedBatchSampler.set_epoch, ft.collect_outputs, ft.score
 
     def mark_start(self: Any, epoch: int) -> None:
         marks.setdefault("cpu0", time.process_time())
@@ -170,7 +170,10 @@ def run_finetune(
 
     def mark_end(*a: Any, **k: Any) -> Any:
         marks.setdefault("cpu1", time.process_time())
-        metrics = evaluate(*a, **k)
+        return collect(*a, **k)
+
+    def check_target(*a: Any, **k: Any) -> Any:
+        metrics = score(*a, **k)
         if eval_every and args.target_acc is not None:
             # the loop evaluates at every eval_every-th step; stop at the first crossing, as the Trainer callback does
             marks["evals"] = marks.get("evals", 0) + 1
@@ -179,7 +182,7 @@ def run_finetune(
                 raise _TargetReached
         return metrics
 
-    WindowedBatchSampler.set_epoch, ft.evaluate = mark_start, mark_end  # type: ignore[method-assign]
+    WindowedBatchSampler.set_epoch, ft.collect_outputs, ft.score = mark_start, mark_end, check_target  # type: ignore
     if eval_every and args.clock == "cpu":
         # the loop times its log intervals (evaluation excluded) with time.perf_counter: hand it
         # the process CPU clock so the curve is in CPU seconds like Trainer's
@@ -189,7 +192,7 @@ def run_finetune(
             extra = (
                 [f"train.eval_every_steps={eval_every}", f"train.log_every_steps={eval_every}"] if eval_every else []
             )
-            extra += ["data.packing=true"] * packed
+            extra += ["data.packing=true"] * packed + args.ours
             cfg = make_config(args, Path(tmp) / "run", seed, rows, extra)
             try:
                 final = ft.train(cfg)
@@ -197,7 +200,7 @@ def run_finetune(
                 final = {"accuracy": next(iter(reached.values()))}
             rows_ = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     finally:
-        WindowedBatchSampler.set_epoch, ft.evaluate = set_epoch, evaluate  # type: ignore[method-assign]
+        WindowedBatchSampler.set_epoch, ft.collect_outputs, ft.score = set_epoch, collect, score  # type: ignore
         ft.time = time  # type: ignore[assignment]
     train_rows = [r for r in rows_ if "samples_per_s" in r]
     out: dict[str, Any] = {"accuracy": final["accuracy"]}
@@ -523,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write all results here")
+    p.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides for finetune alone: recipes Trainer has no option for (train.layer_lr_decay=0.8)")
     p.add_argument("override", nargs="*", help="extra finetune overrides (dotted.key=value) for every contestant")
     args = p.parse_args(argv)
     if args.threads:

@@ -128,7 +128,7 @@ def test_truncation_modes_keep_the_right_tokens(tmp_path: Path) -> None:
 def test_per_text_aggregation_of_windows() -> None:
     logits = torch.tensor([[1.0, 0.0], [3.0, 2.0], [0.0, 5.0], [2.0, 2.0]])
     docs, labels = torch.tensor([7, 7, 3, 7]), torch.tensor([1, 1, 0, 1])
-    mean, ys = per_text(logits, labels, docs, "mean")
+    mean, ys, _ = per_text(logits, labels, docs, "mean")
     assert mean.tolist() == [[0.0, 5.0], pytest.approx([2.0, 4 / 3])] and ys.tolist() == [0, 1]
     assert per_text(logits, labels, docs, "max")[0].tolist() == [[0.0, 5.0], [3.0, 2.0]]
 

@@ -182,13 +182,13 @@ def test_no_memtracker_around_the_final_evaluation(
 
     import finetune.train as train_mod
 
-    real_evaluate, modes = train_mod.evaluate, []
+    real_evaluate, modes = train_mod.collect_outputs, []
 
-    def evaluate(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
         modes.append(_get_current_dispatch_mode())
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "evaluate", evaluate)
+    monkeypatch.setattr(train_mod, "collect_outputs", evaluate)
     cfg = write_tiny_config(tmp_path, {"data.max_train_samples": 32, "data.max_eval_samples": 16, "train.max_steps": 1})
     assert train_main(["--config", str(cfg)]) == 0
     assert modes == [None]

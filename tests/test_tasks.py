@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import PLAIN_SGD, sgd_from_saved_start, write_tiny_config
 from safetensors.torch import load_file
+from sklearn.metrics import f1_score
 
 from finetune.cli import main as cli_main
 from finetune.config import load_config
@@ -309,6 +310,17 @@ def test_multi_label_final_config_pipeline_predict_and_evaluate(
     result = json.loads(capsys.readouterr().out)
     assert result["test"]["micro_f1"] == pytest.approx(report["test"]["micro_f1"], abs=1e-6)
     assert result["test"]["thresholds"] == report["thresholds"]
+    # predictions.jsonl: label sets at final/'s thresholds; F1 recomputed from the rows is eval.json's
+    preds = [json.loads(x) for x in (multi_label_run / "predictions.jsonl").read_text().splitlines()]
+    for split, metrics in (("validation", report), ("test", report["test"])):
+        rows = [r for r in preds if r["split"] == split]
+        assert len(rows) == metrics["num_samples"] and all(len(r["probabilities"]) == 28 for r in rows)
+        for r in rows:
+            assert r["prediction"] == [n for n in names if r["probabilities"][n] >= thresholds[n]]
+        gold = np.array([[n in r["gold"] for n in names] for r in rows])
+        pred = np.array([[n in r["prediction"] for n in names] for r in rows])
+        assert f1_score(gold, pred, average="micro", zero_division=0) == pytest.approx(metrics["micro_f1"])
+        assert metrics["micro_f1_ci"][0] <= metrics["micro_f1"] <= metrics["micro_f1_ci"][1]
 
 
 def test_regression_pairs_pipeline_and_predict(tmp_path: Path) -> None:
@@ -331,6 +343,12 @@ def test_regression_pairs_pipeline_and_predict(tmp_path: Path) -> None:
                      "--pair-column", "b", "--output", str(tmp_path / "out.jsonl")]) == 0  # fmt: skip
     row = json.loads((tmp_path / "out.jsonl").read_text())
     assert row["text_pair"] == pair[1] and row["score"] == pytest.approx(expected, abs=1e-5)
+    rows = [json.loads(x) for x in (run / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 32 and all(r["probabilities"] is None and r["text_pair"] for r in rows)
+    gold, pred = np.array([r["gold"] for r in rows]), np.array([r["prediction"] for r in rows])
+    assert [r["loss"] for r in rows] == pytest.approx(list((pred - gold) ** 2), rel=1e-5)  # squared error per row
+    assert np.corrcoef(pred, gold)[0, 1] == pytest.approx(report["pearson"], abs=1e-6)
+    assert report["pearson_ci"][0] <= report["pearson"] <= report["pearson_ci"][1]
 
 
 def test_best_metric_defaults_and_directions(tmp_path: Path) -> None:

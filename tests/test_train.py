@@ -399,9 +399,9 @@ def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(
 
 
 def test_evaluate_runs_without_autograd(tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Evaluation builds no autograd graph (memory): every forward inside `evaluate` sees grad mode off."""
+    """Evaluation builds no autograd graph (memory): every forward inside `collect_outputs` sees grad mode off."""
     seen: list[bool] = []
-    real = train_mod.evaluate
+    real = train_mod.collect_outputs
 
     def spy(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         handle = model.register_forward_pre_hook(lambda m, a: seen.append(torch.is_grad_enabled()))
@@ -410,7 +410,7 @@ def test_evaluate_runs_without_autograd(tiny_config: Callable[..., Path], monkey
         finally:
             handle.remove()
 
-    monkeypatch.setattr(train_mod, "evaluate", spy)
+    monkeypatch.setattr(train_mod, "collect_outputs", spy)
     cfg = tiny_config({"data.max_train_samples": 32, "data.max_eval_samples": 16})
     assert train_mod.main(["--config", str(cfg)]) == 0
     assert seen and not any(seen)
