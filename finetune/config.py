@@ -174,6 +174,12 @@ class ModelConfig(_Section):
     lora: LoraConfig | None = Field(
         None, description="train peft LoRA adapters instead of all weights (the classification head trains in full)"
     )
+    quantization: Literal["4bit", "8bit"] | None = Field(
+        None,
+        description="load the frozen base quantized with bitsandbytes (4bit: NF4, double quantization, bf16 compute; "
+        "8bit: LLM.int8) and train LoRA on it (QLoRA; needs model.lora); the head and norms stay unquantized, "
+        "final/ is the unquantized base with the adapters merged",
+    )
     compile: bool = Field(
         False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
     )
@@ -191,6 +197,11 @@ class ModelConfig(_Section):
             raise ValueError("model.architecture builds a model from scratch and needs model.tokenizer")
         if self.architecture is None and self.name_or_path is None:
             raise ValueError("set model.name_or_path (or model.architecture with model.tokenizer)")
+        if self.quantization is not None and self.lora is None:
+            raise ValueError(
+                f"model.quantization={self.quantization} freezes the base in {self.quantization} weights, which cannot "
+                "be trained: set model.lora (e.g. model.lora={r: 8}) to train adapters on it (QLoRA)"
+            )
         return self
 
 
