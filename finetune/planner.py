@@ -251,7 +251,8 @@ def measure_window(
     model.train()
     kernels = cuda_attention_for_planning() if device == "cuda" else contextlib.nullcontext()
     with kernels:
-        run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm)
+        # the first window only creates the optimizer state: one micro-step does
+        run_window(model, optimizer, [make_batch()], autocast, max_grad_norm)
         tracker = _Tracker()
         tracker.track_external(model, optimizer)
         with tracker:
@@ -552,6 +553,18 @@ def fake_batch_factory(
     return make
 
 
+EXTRAPOLATE_ABOVE = 6
+
+
+def with_layers(cfg: Config, n: int) -> Config:
+    """`cfg` with `n` layers in its `model.architecture` / `model.plan_architecture`."""
+    key = "architecture" if cfg.model.architecture is not None else "plan_architecture"
+    arch = dict(getattr(cfg.model, key))
+    arch["num_hidden_layers"] = n
+    arch.pop("layer_types", None)  # a per-layer list written out would contradict the count
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={key: arch})})
+
+
 def predict_peak(
     cfg: Config,
     micro: int,
@@ -561,7 +574,21 @@ def predict_peak(
     seq_len: int | None = None,
     device: str = "cpu",
 ) -> Measurement:
-    """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated)."""
+    """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated).
+
+    A model given by its dimensions with more than `EXTRAPOLATE_ABOVE` layers is planned at 2 and
+    4 layers and extrapolated linearly, category by category: every layer adds the same weights,
+    gradients, state and saved activations, so the peak is affine in the layer count (checked
+    against the full plan in docs/MEMORY.md); a 24-layer model then plans in seconds.
+    """
+    arch = cfg.model.architecture or cfg.model.plan_architecture
+    layers = int((arch or {}).get("num_hidden_layers", 0))
+    if layers > EXTRAPOLATE_ABOVE:
+        two, four = (predict_peak(with_layers(cfg, n), micro, accumulation, tokenizer, label_names, seq_len, device)
+                     for n in (2, 4))  # fmt: skip
+        per = {k: (four.categories[k] - two.categories[k]) / 2 for k in two.categories}
+        categories = {k: int(round(two.categories[k] + per[k] * (layers - 2))) for k in two.categories}
+        return Measurement(sum(categories.values()), categories)
     seq_len = seq_len or cfg.data.max_length
     # building a model draws from the global RNG: keep the training run's random stream untouched
     with torch.random.fork_rng(devices=[]):
@@ -877,7 +904,7 @@ def plan_grid(
 
 
 def format_grid(cells: list[GridCell], cfg: Config, device: str, notes: list[str]) -> str:
-    """The grid as a table: one row per setting, one column per (length, micro-batch), GiB with margin."""
+    """The grid as a table: one row per setting, one column per (length, micro-batch), MiB with margin."""
     m = cfg.model
     source = m.name_or_path if m.architecture is None else "architecture from config"
     dims = m.architecture or m.plan_architecture or {}
@@ -886,13 +913,13 @@ def format_grid(cells: list[GridCell], cfg: Config, device: str, notes: list[str
     table = [head]
     for name, _ in GRID_SETTINGS:
         by = {(c.seq_len, c.micro_batch_size): c for c in cells if c.setting == name}
-        table.append([name, *(f"{by[k].peak_bytes_with_margin / GiB:.2f}" for k in cols)])
+        table.append([name, *(f"{by[k].peak_bytes_with_margin / MiB:,.0f}" for k in cols)])
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines = [
         f"memory grid: {source} ({dims.get('model_type', '')}, planned from its dimensions: nothing allocated), "
         f"device {device}, optimizer {cfg.train.optimizer}, gradient checkpointing "
         f"{'on' if m.gradient_checkpointing else 'off'}, LoRA {'r=' + str(m.lora.r) if m.lora else 'r=16'}",
-        f"peak GiB{' with margin (CUDA context + allocator)' if device == 'cuda' else ''} of one optimizer window; "
+        f"peak MiB{' with margin (CUDA context + allocator)' if device == 'cuda' else ''} of one optimizer window; "
         "columns: tokens per row x micro-batch",
     ]
     lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths,
