@@ -347,10 +347,23 @@ def _load_quantized(
             # bitsandbytes' CPU eval path repacks the 4-bit weight in place on AVX512-BF16 CPUs, and fails
             # for layers narrower than its 64-element block: evaluation uses the training kernel instead
             module.support_avx512bf16_for_cpu = False
+    # a checkpoint holds bitsandbytes' quantization state beside each weight; the frozen base is
+    # rebuilt identically from its source, so loading a checkpoint (resume, best weights) skips it
+    model.register_load_state_dict_post_hook(_skip_quantization_state)
     model.finetune_base_source = path
     model.finetune_trust_remote_code = remote
     model.finetune_base_tmp = keep  # the temporary directory lives as long as the model
     return model
+
+
+QUANT_STATE = ("absmax", "quant_map", "quant_state", "nested_", "SCB", "weight_format")
+
+
+def _skip_quantization_state(module: torch.nn.Module, result: Any) -> None:
+    """Drop bitsandbytes' quantization-state keys from a load's unexpected keys (in place, as torch
+    asks), so that a strict load of a QLoRA checkpoint checks every other key."""
+    keep = [k for k in result.unexpected_keys if not any(q in k.rsplit("weight.", 1)[-1] for q in QUANT_STATE)]
+    result.unexpected_keys[:] = keep
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
@@ -363,7 +376,11 @@ def is_quantized(model: torch.nn.Module) -> bool:
 def unquantized_base(model: torch.nn.Module, tokenizer: Any) -> PreTrainedModel:
     """The base of a quantized classifier reloaded unquantized, in the training dtype (bf16 outside
     the norms where bf16-true cast the unquantized weights, else fp32), with room for its pad token:
-    what the adapters of `model` are merged into for final/ (merging into NF4 weights is lossy)."""
+    what the adapters of `model` are merged into for final/ (merging into NF4 weights is lossy).
+
+    Raises:
+        UserError: the unquantized weights cannot be loaded.
+    """
     hf = classifier_of(model)
     bf16_true = hf.get_input_embeddings().weight.dtype == torch.bfloat16
     c = hf.config

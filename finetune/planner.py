@@ -880,7 +880,11 @@ class GridCell:
 
 def grid_config(cfg: Config, overrides: list[str]) -> Config:
     """`cfg` with one grid setting applied (LoRA r=16 where the setting needs adapters and the
-    config has none; the optimizer adamw where 8-bit AdamW cannot run on the planned device)."""
+    config has none).
+
+    Raises:
+        UserError: the setting contradicts the config (e.g. a precision mode its family refuses).
+    """
     raw = cfg.model_dump(mode="json")
     if cfg.model.lora is None and "model.lora=null" not in overrides:
         overrides = [*overrides, "model.lora={r: 16}"]
