@@ -86,7 +86,14 @@ def _plan_grid(args: argparse.Namespace) -> int:
     import transformers
 
     from finetune.config import load_config
-    from finetune.planner import default_device, format_grid, label_names_cheaply, plan_grid, planning_tokenizer
+    from finetune.planner import (
+        default_device,
+        extrapolation_note,
+        format_grid,
+        label_names_cheaply,
+        plan_grid,
+        planning_tokenizer,
+    )
 
     cfg = load_config(args.config, args.overrides)
     bad = [x for x in [*(args.micro or []), *(args.lengths or [])] if x < 1]
@@ -103,7 +110,7 @@ def _plan_grid(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([vars(c) for c in cells], indent=2))
     else:
-        print(format_grid(cells, cfg, device, [note] if note else []))
+        print(format_grid(cells, cfg, device, extrapolation_note(cfg) + ([note] if note else [])))
     return 0
 
 

@@ -556,6 +556,14 @@ def fake_batch_factory(
 EXTRAPOLATE_ABOVE = 6
 
 
+def extrapolation_note(cfg: Config) -> list[str]:
+    """The note a plan of a deep model given by its dimensions carries."""
+    layers = int((cfg.model.architecture or cfg.model.plan_architecture or {}).get("num_hidden_layers", 0))
+    if layers <= EXTRAPOLATE_ABOVE:
+        return []
+    return [f"{layers} layers planned at 2 and 4 layers and extrapolated per layer (exact: docs/MEMORY.md)"]
+
+
 def with_layers(cfg: Config, n: int) -> Config:
     """`cfg` with `n` layers in its `model.architecture` / `model.plan_architecture`."""
     key = "architecture" if cfg.model.architecture is not None else "plan_architecture"
@@ -618,6 +626,7 @@ def plan(
     E = effective_batch(cfg, num_processes)
     per_process = E // num_processes
     sizes = micro_sizes or micro_batch_ladder(per_process)
+    notes += extrapolation_note(cfg)
     if tokenizer is None:
         tokenizer, note = planning_tokenizer(cfg)
         notes += [note] if note else []
