@@ -72,7 +72,7 @@ def main() -> int:
     import os
 
     data = Path(args.data_dir or os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # data paths in configs resolve against data.data_dir
     out.mkdir(parents=True, exist_ok=True)
     families = args.families if args.families is not None else ["minilm", *FAMILIES]
     results = []
