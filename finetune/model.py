@@ -366,6 +366,26 @@ def _skip_quantization_state(module: torch.nn.Module, result: Any) -> None:
     result.unexpected_keys[:] = keep
 
 
+def check_quantized_autocast(cfg: Config) -> None:
+    """Refuse what fails mid-run: DeBERTa-v2 on a quantized base under bf16/fp16 autocast.
+
+    bitsandbytes returns a quantized layer's output in its input's dtype (fp32 under autocast), so
+    DeBERTa's attention fills bf16 scores with fp32's minimum (an overflow error at the first step).
+
+    Raises:
+        UserError: the combination cannot train.
+    """
+    m = cfg.model
+    kind = (m.architecture or {}).get("model_type") or (m.plan_architecture or {}).get("model_type")
+    if kind is None and m.architecture is None and m.quantization is not None:
+        kind = getattr(_from_pretrained(AutoConfig, m.name_or_path or "", "model config"), "model_type", None)
+    if m.quantization is not None and kind == "deberta-v2" and cfg.precision.mode in ("bf16", "fp16"):
+        raise UserError(
+            f"model.quantization with precision.mode={cfg.precision.mode} fails in DeBERTa-v2's attention "
+            "(quantized layers return fp32 under autocast); use precision.mode=bf16-true or fp32"
+        )
+
+
 def is_quantized(model: torch.nn.Module) -> bool:
     """The classifier inside `model` (peft, DDP wrappers) has bitsandbytes-quantized weights."""
     hf = classifier_of(model)

@@ -100,16 +100,23 @@ def main() -> int:
                 cfg_path = family_config(run.parent, family, toks, **{"data.train_file": str(rows),
                                          "data.max_length": length, "run.overwrite": True, **setting})
                 overrides = []
-            row = {"family": family, "setting": name, "tokens": length, **one(cfg_path, overrides, run, length)}
+            row: dict[str, Any] = {"family": family, "setting": name, "tokens": length}
+            try:
+                row.update(one(cfg_path, overrides, run, length))
+            except Exception as exc:  # a setting the family cannot train: recorded, the others go on
+                row["failed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             results.append(row)
             print(json.dumps(row), flush=True)
             (out / "results.json").write_text(json.dumps(results, indent=2))
     print("\n| model | setting | planned MiB | loop MiB (MemTracker in train()) | error |\n|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['family']} | {r['setting']} | {r['planned_mib']:,.3f} | {r['loop_mib']:,.3f} | "
-              f"{100 * r['error']:+.2f}% |")
-    worst = max(abs(r["error"]) for r in results)
-    print(f"\nworst |error|: {100 * worst:.2f}% over {len(results)} runs")
+        if "failed" in r:
+            print(f"| {r['family']} | {r['setting']} | - | - | training failed: {r['failed']} |")
+        else:
+            print(f"| {r['family']} | {r['setting']} | {r['planned_mib']:,.3f} | {r['loop_mib']:,.3f} | "
+                  f"{100 * r['error']:+.2f}% |")
+    ok = [abs(r["error"]) for r in results if "error" in r]
+    print(f"\nworst |error|: {100 * max(ok):.2f}% over {len(ok)} runs ({len(results) - len(ok)} failed)")
     return 0
 
 

@@ -150,6 +150,9 @@ def test_quantization_errors_are_one_line(
     plain = family_config(tmp_path / "a", "llama", tokenizers, **{"model.quantization": "4bit"})
     assert "model.lora" in one_line(plain)  # quantized weights cannot train without adapters
     assert "CUDA" in one_line(plain, "model.lora={r: 4}", "train.optimizer=adamw8bit")
+    deberta = family_config(tmp_path / "d", "deberta-v2", tokenizers, **{"model.quantization": "4bit",
+                                                                         "model.lora": {"r": 4}})
+    assert "bf16-true" in one_line(deberta, "precision.mode=bf16")  # fails in its attention otherwise
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     assert "needs bitsandbytes" in one_line(plain, "model.lora={r: 4}")
     assert not (tmp_path / "a" / "run").exists()
