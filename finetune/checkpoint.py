@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from finetune import faults
 from finetune.config import Config, parse_yaml12, validate_config
 from finetune.errors import UserError
-from finetune.model import exportable
+from finetune.model import exportable, is_quantized, merge_adapter, unquantized_base
 
 logger = logging.getLogger("finetune")
 
@@ -662,8 +662,15 @@ def export_final(
         adapter_state = accelerator.get_state_dict(model)  # every rank: a collective under FSDP / ZeRO-3
         if accelerator.is_main_process:
             save_adapter(peft_model, adapter_state, tmp / "adapter")
+    if is_quantized(peft_model):
+        # QLoRA: the adapters merged into the base reloaded unquantized (a merge into NF4 / int8 weights
+        # would round the update away); quantized runs are single-process (no FSDP / ZeRO gather)
+        if accelerator.is_main_process:
+            base = unquantized_base(peft_model, tokenizer)
+            model = merge_adapter(base, str(tmp / "adapter"))
     # LoRA: merge the adapters into the base weights so final/ loads without peft
-    model = exportable(peft_model) if hasattr(peft_model, "merge_and_unload") else model
+    elif hasattr(peft_model, "merge_and_unload"):
+        model = exportable(peft_model)
     # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the full state dict is a collective
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:

@@ -47,7 +47,17 @@ def _cmd_plan(argv: list[str]) -> int:
         help="micro-batch sizes to plan (default: the divisors ladder up to the effective batch)",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument(
+        "--grid",
+        action="store_true",
+        help="compare fp32 / bf16 / bf16-true / LoRA / QLoRA at --micro sizes (default 1 4 16) and --lengths",
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=None, help="--grid: tokens per row (default data.max_length and 512)"
+    )
     args = parser.parse_args(argv)
+    if args.grid:
+        return _plan_grid(args)
     from finetune.config import load_config
     from finetune.optim import effective_batch, resolve_batch
     from finetune.planner import format_plan, plan, plan_json
@@ -70,6 +80,38 @@ def _cmd_plan(argv: list[str]) -> int:
     transformers.utils.logging.disable_progress_bar()  # the model is built once per ladder row
     p = plan(cfg, args.device, args.budget_gb, args.micro, args.num_processes)
     print(plan_json(p) if args.json else format_plan(p, cfg))
+    return 0
+
+
+def _plan_grid(args: argparse.Namespace) -> int:
+    import transformers
+
+    from finetune.config import load_config
+    from finetune.planner import (
+        default_device,
+        extrapolation_note,
+        format_grid,
+        label_names_cheaply,
+        plan_grid,
+        planning_tokenizer,
+    )
+
+    cfg = load_config(args.config, args.overrides)
+    bad = [x for x in [*(args.micro or []), *(args.lengths or [])] if x < 1]
+    if bad:
+        raise UserError(f"--micro and --lengths must be positive: {bad}")
+    transformers.utils.logging.disable_progress_bar()
+    device = args.device or default_device()
+    if device == "cpu" and cfg.train.optimizer == "adamw8bit":
+        raise UserError("train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda")
+    tokenizer, note = planning_tokenizer(cfg)
+    names = label_names_cheaply(cfg)
+    lengths = args.lengths or sorted({cfg.data.max_length, 512})
+    cells = plan_grid(cfg, device, args.micro or [1, 4, 16], lengths, tokenizer, names)
+    if args.json:
+        print(json.dumps([vars(c) for c in cells], indent=2))
+    else:
+        print(format_grid(cells, cfg, device, extrapolation_note(cfg) + ([note] if note else [])))
     return 0
 
 

@@ -157,6 +157,11 @@ class ModelConfig(_Section):
         None,
         description="build a model from scratch from these config keys (model_type and sizes) instead of loading one",
     )
+    plan_architecture: dict[str, Any] | None = Field(
+        None,
+        description="the pretrained model's dimensions (model_type and sizes, as model.architecture) for `finetune "
+        "plan` without its weights or network; training ignores it",
+    )
     tokenizer: str | None = Field(
         None,
         description="tokenizer directory/alias/hub id when it differs from model.name_or_path "
@@ -173,6 +178,12 @@ class ModelConfig(_Section):
     )
     lora: LoraConfig | None = Field(
         None, description="train peft LoRA adapters instead of all weights (the classification head trains in full)"
+    )
+    quantization: Literal["4bit", "8bit"] | None = Field(
+        None,
+        description="load the frozen base quantized with bitsandbytes (4bit: NF4, double quantization, bf16 compute; "
+        "8bit: LLM.int8) and train LoRA on it (QLoRA; needs model.lora); the head and norms stay unquantized, "
+        "final/ is the unquantized base with the adapters merged",
     )
     compile: bool = Field(
         False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
@@ -191,6 +202,11 @@ class ModelConfig(_Section):
             raise ValueError("model.architecture builds a model from scratch and needs model.tokenizer")
         if self.architecture is None and self.name_or_path is None:
             raise ValueError("set model.name_or_path (or model.architecture with model.tokenizer)")
+        if self.quantization is not None and self.lora is None:
+            raise ValueError(
+                f"model.quantization={self.quantization} freezes the base in {self.quantization} weights, which cannot "
+                "be trained: set model.lora (e.g. model.lora={r: 8}) to train adapters on it (QLoRA)"
+            )
         return self
 
 
@@ -882,7 +898,7 @@ def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
 
     def walk(node: Any, prefix: str) -> None:
         for key, value in node.items():
-            if isinstance(value, dict) and key != "architecture" and key != "label_map" and key != "label_files":
+            if isinstance(value, dict) and key not in ("architecture", "plan_architecture", "label_map", "label_files"):
                 walk(value, f"{prefix}{key}.")
             elif isinstance(value, (bool, int, float, str)):
                 out[prefix + key] = value

