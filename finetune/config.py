@@ -677,6 +677,16 @@ class Config(_Section):
             raise ValueError("data.packing and model.compile do not go together yet: turn one off")
         return self
 
+    @model_validator(mode="after")
+    def _recipes(self) -> Config:
+        if self.train.reinit_top_layers and self.model.quantization is not None:
+            # quantized blocks are frozen 4/8-bit weights: a fresh draw could never train
+            raise ValueError("train.reinit_top_layers needs trainable blocks; model.quantization freezes them")
+        if self.train.reinit_top_layers and self.model.name_or_path is None:
+            raise ValueError("train.reinit_top_layers re-draws layers of a pretrained model; model.architecture "
+                             "builds every layer fresh already")
+        return self
+
     def resolved_path(self, path: str | None) -> Path | None:
         """A data path resolved against `data.data_dir` when relative."""
         if path is None:

@@ -244,3 +244,13 @@ def test_report_errors_bad_arguments(tiny_run: Path, args: list[str], message: s
 def test_report_errors_without_predictions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["report", str(tmp_path), "--errors", "5"]) == 2
     assert "predictions.jsonl not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("updates", "message"),
+    [({"model.quantization": "4bit", "model.lora": {"r": 2}}, "model.quantization freezes them"),
+     ({}, "model.architecture builds every layer fresh")],
+)
+def test_reinit_refused_where_it_cannot_work(tmp_path: Path, updates: dict[str, Any], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        load_config(write_tiny_config(tmp_path, {"train.reinit_top_layers": 1, **updates}))
