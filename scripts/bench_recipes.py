@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench_imbalance import run  # the real train.py with overrides, evaluation only at the end
 
 VARIANTS = {
     "shipped (lr 1e-4)": [],
@@ -33,18 +29,6 @@ VARIANTS = {
     "head_learning_rate 1e-3": ["train.head_learning_rate=1e-3"],
     "reinit_top_layers 1": ["train.reinit_top_layers=1"],
 }
-
-
-def run(config: str, overrides: list[str], out: Path) -> tuple[dict, float]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    cmd = [sys.executable, "finetune/train.py", "--config", config, f"run.output_dir={out}", "run.overwrite=true",
-           "train.eval_every_steps=null", "run.num_threads=1", *overrides]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
-    return json.loads((out / "eval.json").read_text()), time.perf_counter() - start
 
 
 def main() -> None:
@@ -59,7 +43,8 @@ def main() -> None:
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for seed in args.seeds:
         for i, (name, overrides) in enumerate(variants.items()):
-            final, wall = run(args.config, [f"run.seed={seed}", *overrides], Path(args.work) / f"s{seed}-v{i}")
+            settings = [f"run.seed={seed}", "run.num_threads=1", *overrides]
+            final, wall = run(args.config, settings, Path(args.work) / f"s{seed}-v{i}")
             row = {"seed": seed, "accuracy": final["accuracy"], "accuracy_ci": final.get("accuracy_ci"),
                    "macro_f1": final["macro_f1"], "wall_s": wall}  # fmt: skip
             results[name].append(row)

@@ -354,19 +354,28 @@ def test_lora_with_gradient_checkpointing_trains_as_without(
         torch.testing.assert_close(after, without[n][1], rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_lora_resume_on_a_decoder_is_exact(
-    tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    run = {"model.lora": {"r": 4}, "train.max_steps": 4, "checkpoint.every_steps": 3, "data.max_train_samples": 64}
-    ref_cfg = family_config(tmp_path / "ref", "qwen2", tokenizers, **run)
+def stopped_and_resumed(
+    tmp_path: Path, family: str, tokenizers: dict[str, Path], monkeypatch: pytest.MonkeyPatch, run: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """final/ weights of an uninterrupted run (tmp_path/ref) and of the same run stopped by SIGTERM after
+    step 2 and resumed from its checkpoint (tmp_path/cut)."""
+    ref_cfg = family_config(tmp_path / "ref", family, tokenizers, **run)
     assert main(["--config", str(ref_cfg)]) == 0
-    cfg = family_config(tmp_path / "cut", "qwen2", tokenizers, **run)
+    cfg = family_config(tmp_path / "cut", family, tokenizers, **run)
     monkeypatch.setenv(faults.ENV, "sigterm_at_step:2")
     assert main(["--config", str(cfg)]) == runtime.EXIT_CODES["SIGTERM"]
     monkeypatch.delenv(faults.ENV)
     assert main(["--config", str(cfg), "checkpoint.resume=auto"]) == 0
     ref, got = (load_file(str(d / "run" / "final" / "model.safetensors")) for d in (tmp_path / "ref",
                                                                                      tmp_path / "cut"))
+    return ref, got
+
+
+def test_lora_resume_on_a_decoder_is_exact(
+    tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = {"model.lora": {"r": 4}, "train.max_steps": 4, "checkpoint.every_steps": 3, "data.max_train_samples": 64}
+    ref, got = stopped_and_resumed(tmp_path, "qwen2", tokenizers, monkeypatch, run)
     assert ref.keys() == got.keys()
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     # the checkpoint holds the adapters and the trained head (peft's own name for it), bit for bit

@@ -18,7 +18,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_families import FAMILIES, NAMES, TEXTS, _sentences, family_config, train_tokenizer
+from test_families import FAMILIES, NAMES, TEXTS, _sentences, family_config, stopped_and_resumed, train_tokenizer
 
 from finetune.config import load_config
 from finetune.errors import UserError
@@ -163,17 +163,7 @@ def test_quantization_errors_are_one_line(
 def test_qlora_resume_is_exact(tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint holds bitsandbytes' quantization state beside each 4-bit weight: resume skips it
     (the base is rebuilt identically) and checks every other key strictly."""
-    from finetune import faults, runtime
-
     run = {"model.lora": {"r": 4}, "model.quantization": "4bit", "train.max_steps": 4, "checkpoint.every_steps": 3,
            "data.max_train_samples": 64}
-    ref_cfg = family_config(tmp_path / "ref", "llama", tokenizers, **run)
-    assert main(["--config", str(ref_cfg)]) == 0
-    cfg = family_config(tmp_path / "cut", "llama", tokenizers, **run)
-    monkeypatch.setenv(faults.ENV, "sigterm_at_step:2")
-    assert main(["--config", str(cfg)]) == runtime.EXIT_CODES["SIGTERM"]
-    monkeypatch.delenv(faults.ENV)
-    assert main(["--config", str(cfg), "checkpoint.resume=auto"]) == 0
-    ref, got = (load_file(str(d / "run" / "final" / "model.safetensors")) for d in (tmp_path / "ref",
-                                                                                     tmp_path / "cut"))
+    ref, got = stopped_and_resumed(tmp_path, "llama", tokenizers, monkeypatch, run)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
