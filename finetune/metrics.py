@@ -407,8 +407,11 @@ def format_mistakes(rows: list[dict[str, Any]], width: int = 100) -> str:
     """`finetune report --errors`: one line per mistake, the text shortened to `width` characters."""
 
     def show(value: Any) -> str:
-        return f"{value:.3f}" if isinstance(value, float) else ("|".join(value) or "-") if isinstance(value, list) \
-            else str(value)
+        if isinstance(value, float):  # regression
+            return f"{value:.3f}"
+        if isinstance(value, list):  # multi-label: the label set
+            return "|".join(value) or "-"
+        return str(value)
 
     lines = []
     for r in rows:
