@@ -308,14 +308,17 @@ def to_fake(model: nn.Module, fake_mode: FakeTensorMode) -> nn.Module:
 class _QuantMatmul(torch.autograd.Function):
     """bitsandbytes' matmul on a quantized weight, as memory: the weight is dequantized into a
     temporary for the forward and again for the input gradient (4-bit: `MatMul4Bit`, bf16 compute,
-    nothing saved but the weight; 8-bit on CPU: `MatMul8bitFp`, input dtype, the input saved)."""
+    nothing saved but the weight; 8-bit: `MatMul8bitFp` on CPU, `MatMul8bitLt` on CUDA, input dtype, the input
+    kept as a ctx attribute)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int], dtype: Any,
                 save_input: bool) -> torch.Tensor:  # fmt: skip
         ctx.shape, ctx.dtype, ctx.x_dtype = shape, dtype, x.dtype
         if save_input:
-            ctx.save_for_backward(x)
+            # an attribute, not save_for_backward, as MatMul8bitFp does (`ctx.A = A`): autograd frees saved
+            # tensors as each node's backward runs, but an attribute lives until the graph is dropped
+            ctx.x = x
         w = torch.zeros(shape, dtype=dtype or x.dtype, device=x.device)
         return torch.nn.functional.linear(x.to(w.dtype), w)
 
@@ -349,7 +352,9 @@ class QuantizedLinearStandIn(nn.Module):
         y = _QuantMatmul.apply(x, self.weight, self.shape, torch.bfloat16 if four else None, not four)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype)
+        # Linear4bit casts its output back to the input's dtype; Linear8bitLt returns what its matmul
+        # gave (bf16 under autocast)
+        return y.to(x.dtype) if four else y
 
 
 def quantize_for_planning(model: nn.Module, kind: str) -> int:
