@@ -146,7 +146,6 @@ class Run:
     bar: Any = None
     oom: OutOfMemoryGuard = field(default_factory=OutOfMemoryGuard)
     fold_clip: bool = False
-    sample_memory: bool = False  # MemTracker windows feed checkpoints' memory reports: only with checkpoints
     outputs: dict[str, Outputs] = field(default_factory=dict)  # each split's latest evaluation, per text
     report: Callable[[int, dict[str, Any]], None] | None = None  # train()'s `report`
 
@@ -227,7 +226,7 @@ def train(
     run.precision = PrecisionMonitor(cfg.precision.mode, cfg.train.nonfinite, accelerator.scaler, cfg.model.compile, P,
                                      lambda: (ckpt.list_checkpoints(run_dir) or [None])[-1])
     run.fold_clip = cfg.train.max_grad_norm is not None and clipping_folds_into_step(optimizer, accelerator)
-    run.sample_memory, run.report = cfg.checkpoint.every_steps is not None, report
+    run.report = report
 
     progress = TrainingProgress(data_seed=cfg.run.seed, micro_batch_size=micro, gradient_accumulation_steps=G,
                                 num_processes=P, best_metric=cfg.checkpoint.best_metric, data_sha256=data.sha256)
@@ -239,7 +238,7 @@ def train(
     run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, summary, cfg.memory.record_history)
     run.bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process,
                    dynamic_ncols=True)
-    if progress.step < total_steps and not progress.finished and run.sample_memory:
+    if progress.step < total_steps and not progress.finished:
         run.memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
 
     model.train()
@@ -521,8 +520,10 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         path = saved or save(run, progress, sums)  # not a second save of the same step inside the grace period
         run.accelerator.end_training()  # flush the trackers (TensorBoard) before exiting
         raise Preempted(stop_signal, step, path)
-    if run.sample_memory and step < run.total_steps and not progress.finished:
-        run.memory.begin_sample(step)  # not after the last step: evaluation and export run untracked
+    # one MemTracker window per process feeds the checkpoints' and the final memory report; not after the last
+    # step: evaluation and export run untracked
+    if step < run.total_steps and not progress.finished:
+        run.memory.begin_sample(step)
 
 
 def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
