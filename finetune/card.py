@@ -183,8 +183,9 @@ def card_text(cfg: Config, final: dict[str, Any], label_names: list[str], files:
 
 def write_model_card(out: Path, cfg: Config, final: dict[str, Any], label_names: list[str],
                      files: dict[str, Path], sha256: dict[str, str], memory: dict[str, Any] | None) -> None:
-    """final/README.md, and final/confusion_matrix.png when the validation has a confusion matrix."""
-    matrix = final.get("confusion_matrix")
+    """final/README.md, and final/confusion_matrix.png when the validation has a confusion matrix (and
+    `log.plots` is on)."""
+    matrix = final.get("confusion_matrix") if cfg.log.plots else None
     if matrix:
         plot_confusion_matrix(matrix, label_names, out / CONFUSION_PNG)
     name = Path(cfg.run.output_dir).resolve().name

@@ -500,10 +500,15 @@ class MemoryConfig(_Section):
 
 
 class LogConfig(_Section):
-    """`log`: Accelerate trackers to log to."""
+    """`log`: Accelerate trackers to log to, and the plots of a run."""
 
     trackers: list[Literal["tensorboard"]] = Field(
         [], description="Accelerate trackers that also receive metrics.jsonl's rows"
+    )
+    plots: bool = Field(
+        True,
+        description="draw curves.png, memory.png and final/confusion_matrix.png at the end of the run (matplotlib, "
+        "about 1 s; `finetune report RUN --plots` draws the first two later)",
     )
 
 

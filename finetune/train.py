@@ -670,7 +670,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
         write_model_card(run.run_dir / "final", cfg, final, run.data.label_names, run.data.files, run.data.sha256,
                          memory_report)
-        if run.metrics_file.exists():
+        if run.metrics_file.exists() and cfg.log.plots:
             plot_curves(run.metrics_file, run.run_dir / "curves.png")
             mem.plot_memory(run.metrics_file, run.run_dir / "memory.png", report=mem.latest_report(run.run_dir))
         logger.info(final_summary(final, run.run_dir / "final"))

@@ -1,13 +1,15 @@
 """Planner truth: `finetune plan`'s peak against the real training loop's measured peak.
 
 For the default model (all-MiniLM-L6-v2, configs/sst2-minilm.yaml) and a tiny random model of
-every family of tests/test_families.py, each in fp32 (full), with LoRA, and with QLoRA (4-bit
-base, bf16 autocast, checkpointing): `main()` trains 2 optimizer steps of micro-batch 8 x 2 on
+every family of tests/test_families.py, each in fp32 (full), with LoRA, with QLoRA (4-bit
+base, bf16 autocast, checkpointing) and with LoRA on an 8-bit base (bf16 autocast): `main()` trains
+2 optimizer steps of micro-batch 8 x 2 on
 SST-2 rows at least L tokens long (so every batch is the planner's worst case, L tokens per row),
 and the loop's MemoryMonitor samples the second window with MemTracker (checkpoint memory.json).
 The plan is `predict_peak` for the same config. Errors are (plan - loop) / loop.
 
     HF_HUB_OFFLINE=1 PYTHONPATH=. python scripts/bench_planner.py --out runs/bench_planner
+    ... --families minilm bert --settings "LoRA on an 8-bit base, bf16"     # a subset
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "LoRA r=4": {"model.lora": {"r": 4}},
     "QLoRA 4-bit, bf16, ckpt": {"model.lora": {"r": 4}, "model.quantization": "4bit", "precision.mode": "bf16",
                                 "model.gradient_checkpointing": True},
+    "LoRA on an 8-bit base, bf16": {"model.lora": {"r": 4}, "model.quantization": "8bit", "precision.mode": "bf16"},
 }  # fmt: skip
 
 
@@ -68,6 +71,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench_planner"))
     parser.add_argument("--families", nargs="*", default=None, help="tiny families (default all); minilm = default")
     parser.add_argument("--data-dir", default=None, help="default: FINETUNE_DATA_DIR or ../shared/data")
+    parser.add_argument("--settings", nargs="*", default=None, choices=list(SETTINGS), help="default: all")
     args = parser.parse_args()
     import os
 
@@ -80,7 +84,9 @@ def main() -> int:
     toks = {k: train_tokenizer(sentences, k, out / "tok" / k) for k in ("decoder", "decoder_eos", "encoder")}
     for family in families:
         for name, setting in SETTINGS.items():
-            run = out / family / name.split()[0] / "run"
+            if args.settings is not None and name not in args.settings:
+                continue
+            run = out / family / name.split(",")[0].replace(" ", "_") / "run"
             if family == "minilm":  # the default config at 48 tokens (rows that long exist in SST-2)
                 length = 48
                 cfg_path = ROOT / "configs" / "sst2-minilm.yaml"

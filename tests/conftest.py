@@ -79,6 +79,8 @@ def write_tiny_config(directory: Path, updates: dict[str, Any] | None = None, na
     # small and quiet by default: evaluation and logging every few steps only cost time here
     raw["train"]["eval_every_steps"] = None
     raw["run"]["num_threads"] = 1  # tiny models gain nothing from threads (and the box is shared)
+    # the plots take about 1 s of a tiny run's 2; the tests of the plots switch them back on
+    raw.setdefault("log", {})["plots"] = False
     for key, value in (updates or {}).items():
         if value is ...:
             *parents, last = key.split(".")
@@ -109,7 +111,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     from finetune.train import main
 
     directory = tmp_path_factory.mktemp("tiny_run")
-    cfg = write_tiny_config(directory, {"data.max_train_samples": 128, "data.max_eval_samples": 64})
+    cfg = write_tiny_config(directory, {"data.max_train_samples": 128, "data.max_eval_samples": 64, "log.plots": True})
     assert main(["--config", str(cfg)]) == 0
     return directory / "run"
 

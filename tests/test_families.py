@@ -163,6 +163,8 @@ def test_family_trains_exports_and_reloads(
     assert main(["--config", str(cfg)]) == 0
     run = tmp_path / "run"
     final = run / "final"
+    # log.plots is off here (conftest): no figures, and the model card links none
+    assert not list(run.glob("**/*.png")) and "![confusion matrix]" not in (final / "README.md").read_text()
     config = json.loads((final / "config.json").read_text())
     tok_cfg = json.loads((final / "tokenizer_config.json").read_text())
     kind = FAMILIES[family][0]

@@ -94,6 +94,7 @@ def test_every_checkpoint_has_a_memory_report(
             "train.log_every_steps": 1,
             "checkpoint.every_steps": 1,
             "checkpoint.keep_last": 5,
+            "log.plots": True,
         },
     )
     assert train_main(["--config", str(cfg)]) == 0
