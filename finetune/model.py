@@ -372,8 +372,9 @@ def _skip_quantization_state(module: torch.nn.Module, result: Any) -> None:
 def check_quantized_autocast(cfg: Config) -> None:
     """Refuse what fails mid-run: DeBERTa-v2 on a quantized base under bf16/fp16 autocast.
 
-    bitsandbytes returns a quantized layer's output in its input's dtype (fp32 under autocast), so
-    DeBERTa's attention fills bf16 scores with fp32's minimum (an overflow error at the first step).
+    With a 4-bit base, bitsandbytes returns a quantized layer's output in its input's dtype (fp32
+    under autocast), so DeBERTa's attention fills bf16 scores with fp32's minimum: an overflow error
+    at the first step. An 8-bit base with LoRA stops at the same line (run on the tiny DeBERTa-v2).
 
     Raises:
         UserError: the combination cannot train.
@@ -384,8 +385,9 @@ def check_quantized_autocast(cfg: Config) -> None:
         kind = getattr(_from_pretrained(AutoConfig, m.name_or_path or "", "model config"), "model_type", None)
     if m.quantization is not None and kind == "deberta-v2" and cfg.precision.mode in ("bf16", "fp16"):
         raise UserError(
-            f"model.quantization with precision.mode={cfg.precision.mode} fails in DeBERTa-v2's attention "
-            "(quantized layers return fp32 under autocast); use precision.mode=bf16-true or fp32"
+            f"model.quantization with precision.mode={cfg.precision.mode} fails at the first step in DeBERTa-v2's "
+            "attention (an overflow: half-precision scores filled with fp32's minimum); use precision.mode=bf16-true "
+            "or fp32"
         )
 
 
