@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from finetune.config import Config, dump_config
-from finetune.memory import MIB
+from finetune.memory import MIB, at_peak
 
 CONFUSION_PNG = "confusion_matrix.png"
 # the hub id behind a package alias of model.name_or_path (the card's base_model)
@@ -123,10 +123,12 @@ def memory_lines(report: dict[str, Any] | None) -> list[str]:
              f"device {report.get('device')})"]  # fmt: skip
     if cuda:
         lines.append(f"- peak CUDA reserved at the end of the run: {_mib(cuda.get('peak_reserved_bytes'))}")
-    for key, what in (("parameters_bytes", "parameters"), ("gradients_bytes", "gradients"),
-                      ("optimizer_state_bytes", "optimizer state"), ("activations_bytes", "activations")):
-        if report.get(key) is not None:
-            lines.append(f"- {what}: {_mib(report[key])}")
+    split = at_peak(report)
+    if split is not None:
+        parts = ", ".join(f"{k.replace('_', ' ')} {_mib(v)}" for k, v in split.items())
+        lines.append(f"- the sampled window's peak, {_mib(report.get('peak_bytes'))}: {parts}")
+    if report.get("gradients_bytes") is not None:
+        lines.append(f"- all gradients at the optimizer step: {_mib(report['gradients_bytes'])}")
     if cpu.get("peak_rss_bytes") and not cuda:
         lines.append(f"- peak RSS of the final phase: {_mib(cpu['peak_rss_bytes'])}")
     return lines

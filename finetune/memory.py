@@ -334,9 +334,36 @@ def _mib(v: Any) -> str:
     return "-" if v is None else f"{v / MIB:,.1f}"
 
 
+AT_PEAK = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+
+
+def at_peak(rep: dict[str, Any]) -> dict[str, int] | None:
+    """The peak split into `AT_PEAK`'s categories, summing to `peak_bytes`; None without a breakdown.
+
+    Gradients here are those alive at the peak (a backward's peak comes before most of them exist),
+    not `gradients_bytes`, the size of all of them. Buffers count as parameters and MemTracker's
+    "Other" as temporaries, as in the planner's categories.
+    """
+    peak = rep.get("memtracker_peak")
+    if peak:
+        return {
+            "parameters": peak.get("Parameter", 0) + peak.get("Buffer", 0),
+            "gradients": peak.get("Gradient", 0),
+            "optimizer_state": peak.get("Optstate", 0),
+            "activations": peak.get("Activation", 0),
+            "temporaries": peak.get("Temp", 0) + peak.get("Other", 0),
+        }
+    if rep.get("peak_bytes") is None:
+        return None
+    # CUDA without a MemTracker sample: activations are what the measured peak leaves over
+    return {k: rep.get(f"{k}_bytes") or 0 for k in AT_PEAK}
+
+
 def format_markdown(rep: dict[str, Any]) -> str:
     """memory.md: the report as a table, with its method and configuration."""
-    lines = [f"# Memory at step {rep['step']} ({rep['device']})", "", "| what | MiB | bytes |", "|---|---:|---:|"]
+    split = at_peak(rep) or {}
+    lines = [f"# Memory at step {rep['step']} ({rep['device']})", "",
+             "| what | MiB | bytes | MiB at the peak |", "|---|---:|---:|---:|"]  # fmt: skip
     for key in (
         "parameters_bytes",
         "buffers_bytes",
@@ -346,11 +373,15 @@ def format_markdown(rep: dict[str, Any]) -> str:
         "temporaries_bytes",
         "peak_bytes",
     ):
+        name = key.removesuffix("_bytes")
+        there = rep.get(key) if name == "peak" else split.get(name)
         lines.append(
-            f"| {key.removesuffix('_bytes')} | {_mib(rep.get(key))} | "
-            f"{rep.get(key) if rep.get(key) is not None else '-'} |"
+            f"| {name} | {_mib(rep.get(key))} | {rep.get(key) if rep.get(key) is not None else '-'} | "
+            f"{_mib(there) if name != 'buffers' else '(in parameters)'} |"
         )
-    lines += ["", f"Breakdown at the peak: {rep['breakdown_method']}.", f"Gradients: {rep['gradients_source']}.", ""]
+    lines += ["", f"Breakdown at the peak: {rep['breakdown_method']}. The last column sums to the peak; its "
+              "gradients are those alive at that moment.",
+              f"Gradients in the MiB and bytes columns: {rep['gradients_source']}.", ""]  # fmt: skip
     cpu = rep.get("cpu") or {}
     if cpu.get("peak_rss_bytes"):
         lines.append(
@@ -372,9 +403,6 @@ def format_markdown(rep: dict[str, Any]) -> str:
         ]
     lines += ["", "Configuration: " + ", ".join(f"{k}={v}" for k, v in rep["config"].items()), ""]
     return "\n".join(lines)
-
-
-BREAKDOWN = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes", "temporaries_bytes")
 
 
 def plot_memory(
@@ -402,7 +430,8 @@ def plot_memory(
     fig, (ax, bar) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
     ax.plot(steps, [rows[s] for s in steps], marker=".")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("peak MiB in the log interval")
+    cuda = str((report or {}).get("device", "")).startswith("cuda")
+    ax.set_ylabel(f"peak {'CUDA allocated' if cuda else 'process RSS'} MiB, log interval")
     ax.set_title("peak memory per logging interval")
     ax.grid(alpha=0.3)
     _breakdown_bar(bar, report)
@@ -414,20 +443,22 @@ def plot_memory(
 def _breakdown_bar(ax: Any, report: dict[str, Any] | None) -> None:
     """A stacked bar of the peak's categories (MiB) from a checkpoint's memory report."""
     sources = {}
-    if report is not None and any(report.get(k) is not None for k in BREAKDOWN):
-        sources[f"measured (step {report.get('step', '?')})"] = [report.get(k) or 0 for k in BREAKDOWN]
+    if report is not None and (split := at_peak(report)) is not None:
+        sampled = re.search(r"step \d+", report.get("breakdown_method", "")) if report.get("memtracker_peak") else None
+        where = f"MemTracker, {sampled.group(0)}" if sampled else "CUDA peak"
+        sources[f"measured ({where})"] = [split[k] for k in AT_PEAK]
     planned = ((report or {}).get("config") or {}).get("planned_bytes")  # train.micro_batch_size: auto
     if planned and sources:
-        sources["planned"] = [planned.get(k.removesuffix("_bytes"), 0) for k in BREAKDOWN]
+        sources["planned"] = [planned.get(k, 0) for k in AT_PEAK]
     if not sources:
-        ax.text(0.5, 0.5, "no breakdown: set checkpoint.every_steps\n(checkpoints carry the memory report)",
+        ax.text(0.5, 0.5, "no breakdown: no optimizer window\nwas sampled (a run of one step?)",
                 ha="center", va="center", transform=ax.transAxes)  # fmt: skip
         ax.set_axis_off()
         return
     bottoms = [0.0] * len(sources)
-    for j, key in enumerate(BREAKDOWN):
+    for j, key in enumerate(AT_PEAK):
         values = [v[j] / MIB for v in sources.values()]
-        ax.bar(list(sources), values, bottom=bottoms, label=key.removesuffix("_bytes").replace("_", " "))
+        ax.bar(list(sources), values, bottom=bottoms, label=key.replace("_", " "))
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     ax.set_ylabel("MiB at the peak")
     ax.set_title("where the peak went")
@@ -478,7 +509,7 @@ def report_table(run_dir: Path) -> str:
                 continue
     if not reports:
         return f"{run_dir}: no memory report (a run writes memory.json when it finishes, a checkpoint its own)"
-    head = ["step", "peak", "params", "grads", "optim", "activ", "temps", "device peak", "breakdown"]
+    head = ["step", "peak", "params", "grads", "optim", "activ", "temps", "all grads", "device peak", "breakdown"]
     rows = []
     for r in reports:
         cuda, cpu = r.get("cuda"), r.get("cpu") or {}
@@ -488,24 +519,9 @@ def report_table(run_dir: Path) -> str:
             else f"{_mib(cpu.get('peak_rss_bytes'))} RSS"
         )
         method = r["breakdown_method"].split(" (")[0]
-        rows.append(
-            [
-                str(r["step"]),
-                *(
-                    _mib(r.get(k))
-                    for k in (
-                        "peak_bytes",
-                        "parameters_bytes",
-                        "gradients_bytes",
-                        "optimizer_state_bytes",
-                        "activations_bytes",
-                        "temporaries_bytes",
-                    )
-                ),
-                device_peak,
-                method,
-            ]
-        )
+        split = at_peak(r) or {}
+        rows.append([str(r["step"]), _mib(r.get("peak_bytes")), *(_mib(split.get(k)) for k in AT_PEAK),
+                     _mib(r.get("gradients_bytes")), device_peak, method])  # fmt: skip
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
 
     def fmt(cells: list[str]) -> str:
@@ -520,4 +536,6 @@ def report_table(run_dir: Path) -> str:
         fmt(["-" * w for w in widths]),
     ]
     lines += [fmt(r) for r in rows]
+    lines.append("params to temps split the peak (they sum to it; grads are those alive then); all grads: every "
+                 ".grad tensor at the optimizer step")
     return "\n".join(lines)

@@ -68,6 +68,10 @@ def test_monitor_sums_tensors_and_samples_a_step(freeze_embeddings: bool) -> Non
     assert peak["Parameter"] == rep["parameters_bytes"]
     assert rep["peak_bytes"] == peak["Total"] >= rep["parameters_bytes"] + rep["optimizer_state_bytes"]
     assert rep["activations_bytes"] > 0  # 2 x 32 x 48 x 256 floats of activations at the backward peak
+    split = mem.at_peak(rep)
+    assert split is not None and sum(split.values()) == rep["peak_bytes"]  # the categories add up to the peak
+    assert split["parameters"] == rep["parameters_bytes"] + rep["buffers_bytes"]
+    assert split["gradients"] <= rep["gradients_bytes"]  # those alive at the peak, of all of them
     assert rep["cpu"]["peak_rss_bytes"] > 0 and rep["cuda"] is None
     for key in mem.REPORT_KEYS:
         assert isinstance(rep[key], int)
@@ -126,7 +130,10 @@ def test_every_checkpoint_has_a_memory_report(
     assert cli_main(["report", str(run)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1].split()[:3] == ["step", "peak", "params"]
-    assert [line.split()[0] for line in table[3:]] == ["1", "2", "3", "final"]  # the run's final summary last
+    assert [line.split()[0] for line in table[3:-1]] == ["1", "2", "3", "final"]  # the run's final summary last
+    # the final row's params to temps split its peak: they add up to it (to the printed 0.1 MiB)
+    peak, *split = (float(x.replace(",", "")) for x in table[-2].split()[1:7])
+    assert abs(sum(split) - peak) <= 0.3 and peak > 0
 
 
 def test_a_compiled_model_is_not_sampled() -> None:
