@@ -147,6 +147,7 @@ class MemoryMonitor:
         self._tracker: Any = None
         self._reset_hook: Any = None
         self._sample_step: int | None = None
+        self._shapes: list[list[int]] = []
         self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
         self._rss_resettable = _reset_vm_hwm()
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -215,6 +216,11 @@ class MemoryMonitor:
             self._tracker = None
             self.sample = {"error": f"{type(exc).__name__}: {exc}"}
 
+    def note_batch(self, shape: Any) -> None:
+        """Record a micro-batch's shape (rows, tokens) while a window is sampled: the report says what it measured."""
+        if self._tracker is not None:
+            self._shapes.append([int(n) for n in shape])
+
     def end_sample(self) -> None:
         """Stop MemTracker after the sampled optimizer step and keep its peak breakdown."""
         if self._tracker is None:
@@ -229,6 +235,7 @@ class MemoryMonitor:
         self.sample = {
             "step": self._sample_step,
             "peak": {getattr(k, "value", str(k)): int(v) for k, v in peak.items()},
+            "batches": self._shapes,
         }
 
     # -- the report ----------------------------------------------------------------------------
@@ -256,6 +263,7 @@ class MemoryMonitor:
             "peak_bytes": None,
             "breakdown_method": "none: no optimizer step was sampled in this process",
             "memtracker_peak": None,
+            "sampled_batches": None,
             "config": self.config_summary,
             "cpu": {
                 "peak_rss_bytes": self._since_ckpt["peak_rss"] or None,
@@ -274,6 +282,7 @@ class MemoryMonitor:
                 breakdown_method=f"MemTracker on optimizer step {sample['step']} (a whole accumulation window and the "
                                  "optimizer step)",
                 memtracker_peak=peak,
+                sampled_batches=sample.get("batches"),
             )
         if self.cuda:
             stats = torch.cuda.memory_stats(self.device)
@@ -382,6 +391,10 @@ def format_markdown(rep: dict[str, Any]) -> str:
     lines += ["", f"Breakdown at the peak: {rep['breakdown_method']}. The last column sums to the peak; its "
               "gradients are those alive at that moment.",
               f"Gradients in the MiB and bytes columns: {rep['gradients_source']}.", ""]  # fmt: skip
+    if rep.get("sampled_batches"):
+        shapes = ", ".join(" x ".join(map(str, b)) for b in rep["sampled_batches"])
+        lines += [f"The sampled window's micro-batches (rows x tokens): {shapes}. Batches are padded per batch, so "
+                  "a window of longer rows peaks higher: `finetune plan` gives the worst case at data.max_length.", ""]
     cpu = rep.get("cpu") or {}
     if cpu.get("peak_rss_bytes"):
         lines.append(

@@ -415,6 +415,7 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
                             run.guard)
         labels, weight, window_samples = batch.pop("labels"), batch.pop("sample_weight"), batch.pop("window_samples")
         batch.pop("doc", None)  # which text a window belongs to: evaluation's concern
+        run.memory.note_batch(batch["input_ids"].shape)
         with acc.accumulate(run.model), run.oom:
             faults.oom_point("oom_at_step", progress.step + 1, (progress.batches_in_epoch - 1) % G, G)
             logits = packed_logits(run.model, batch) if cfg.data.packing else run.model(**batch).logits

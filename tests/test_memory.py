@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from finetune import checkpoint as ckpt
 from finetune import memory as mem
 from finetune.cli import main as cli_main
+from finetune.config import load_config
 from finetune.train import main as train_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -123,6 +124,10 @@ def test_every_checkpoint_has_a_memory_report(
     assert json.loads((checkpoints[0] / "memory.json").read_text())["peak_bytes"] is None
     last = json.loads((checkpoints[-1] / "memory.json").read_text())
     assert last["breakdown_method"].startswith("MemTracker on optimizer step 2") and last["peak_bytes"] > 0
+    # what was measured: the sampled window's two micro-batches of 16 rows, padded per batch
+    assert [b[0] for b in last["sampled_batches"]] == [16, 16]
+    assert all(1 < b[1] <= load_config(cfg).data.max_length for b in last["sampled_batches"])
+    assert "micro-batches (rows x tokens): 16 x" in (checkpoints[-1] / "memory.md").read_text()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(r["peak_memory_bytes"] > 0 for r in rows if "loss" in r)
     assert (run / "memory.png").is_file()
