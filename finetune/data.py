@@ -978,6 +978,20 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
         """Optimizer steps in one epoch."""
         return math.ceil(len(self) / self.accumulation)
 
+    def heaviest_window(self, limit: int | None = None) -> int:
+        """Index in this epoch (among its first `limit` windows) of the window whose largest micro-batch has
+        the most padded tokens (rows x longest row; ties: the longer row, then the earlier window): where
+        activation memory peaks, since batches are padded per batch."""
+        batches = self.batches()[: None if limit is None else limit * self.accumulation]
+
+        def cost(b: list[int]) -> tuple[int, int]:
+            longest = max(self.lengths[i] for i in b)
+            return len(b) * longest, longest
+
+        windows = [max(cost(b) for b in batches[w : w + self.accumulation])
+                   for w in range(0, len(batches), self.accumulation)]  # fmt: skip
+        return max(range(len(windows)), key=lambda w: (windows[w], -w))
+
 
 class WindowedDataset(TorchDataset):
     """Wraps a tokenized split so items addressed as (index, window_samples, weight) carry both."""

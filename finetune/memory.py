@@ -148,6 +148,9 @@ class MemoryMonitor:
         self._reset_hook: Any = None
         self._sample_step: int | None = None
         self._shapes: list[list[int]] = []
+        # the step of the window with the most padded tokens: sampled too, and the higher peak is kept
+        self.heaviest_step: int | None = None
+        self._earlier: dict[str, Any] | None = None
         self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
         self._rss_resettable = _reset_vm_hwm()
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -182,12 +185,13 @@ class MemoryMonitor:
     # -- the sampled step ----------------------------------------------------------------------
 
     def begin_sample(self, step: int) -> None:
-        """Start MemTracker on the window that produces step `step + 1`, once per process.
-
-        Only after the first optimizer step: before it AdamW's state does not exist yet and the
-        peak would be too low (DESIGN.md).
+        """Start MemTracker on the window that produces step `step + 1`: the first one after the first
+        optimizer step (before it AdamW's state does not exist yet and the peak would be too low,
+        DESIGN.md), and again on `heaviest_step`'s window, whose longer rows may peak higher.
         """
-        if self.sample is not None or self._tracker is not None or step < 1:
+        again = bool(self.sample and "peak" in self.sample and step + 1 == self.heaviest_step
+                     and self.sample["step"] != step + 1)  # fmt: skip
+        if (self.sample is not None and not again) or self._tracker is not None or step < 1:
             return
         if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()):
             # a dispatch mode around a compiled model changes dynamo's guards (recompiles)
@@ -208,6 +212,7 @@ class MemoryMonitor:
             tracker.__enter__()
             self._tracker = tracker
             self._sample_step = step + 1
+            self._shapes = []
         except Exception as exc:  # the report says why there is no breakdown; training goes on
             logger.warning(
                 f"warning: MemTracker could not start ({type(exc).__name__}: {exc}); memory breakdown from measured "
@@ -232,11 +237,15 @@ class MemoryMonitor:
         dev = next((d for d in snap if torch.device(d).type == self.device.type), None)
         peak = snap.get(dev, {}) if dev is not None else {}
         # keys are _MemRefType members ("Parameter", "Activation", ...) and the string "Total"
-        self.sample = {
+        new = {
             "step": self._sample_step,
             "peak": {getattr(k, "value", str(k)): int(v) for k, v in peak.items()},
             "batches": self._shapes,
         }
+        old = self.sample if self.sample and "peak" in self.sample else None
+        if old is not None and old["peak"].get("Total", 0) > new["peak"].get("Total", 0):
+            new, old = old, new
+        self.sample = new | ({"other": {"step": old["step"], "peak_bytes": old["peak"].get("Total")}} if old else {})
 
     # -- the report ----------------------------------------------------------------------------
 
@@ -264,6 +273,7 @@ class MemoryMonitor:
             "breakdown_method": "none: no optimizer step was sampled in this process",
             "memtracker_peak": None,
             "sampled_batches": None,
+            "other_sample": None,
             "config": self.config_summary,
             "cpu": {
                 "peak_rss_bytes": self._since_ckpt["peak_rss"] or None,
@@ -283,6 +293,7 @@ class MemoryMonitor:
                                  "optimizer step)",
                 memtracker_peak=peak,
                 sampled_batches=sample.get("batches"),
+                other_sample=sample.get("other"),
             )
         if self.cuda:
             stats = torch.cuda.memory_stats(self.device)
@@ -393,8 +404,11 @@ def format_markdown(rep: dict[str, Any]) -> str:
               f"Gradients in the MiB and bytes columns: {rep['gradients_source']}.", ""]  # fmt: skip
     if rep.get("sampled_batches"):
         shapes = ", ".join(" x ".join(map(str, b)) for b in rep["sampled_batches"])
+        other = rep.get("other_sample")
         lines += [f"The sampled window's micro-batches (rows x tokens): {shapes}. Batches are padded per batch, so "
-                  "a window of longer rows peaks higher: `finetune plan` gives the worst case at data.max_length.", ""]
+                  "a window of longer rows peaks higher: `finetune plan` gives the worst case at data.max_length."
+                  + (f" The other window sampled, step {other['step']}, peaked at {_mib(other['peak_bytes'])} MiB."
+                     if other else ""), ""]
     cpu = rep.get("cpu") or {}
     if cpu.get("peak_rss_bytes"):
         lines.append(

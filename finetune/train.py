@@ -236,6 +236,7 @@ def train(
     was_finished = progress.finished  # a finished run resumed: its final evaluation and checkpoint exist
     summary = memory_summary(cfg, progress) | {"planned_bytes": planned}  # the plan, when micro-batch was auto
     run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, summary, cfg.memory.record_history)
+    run.memory.heaviest_step = heaviest_step(sampler, progress, total_steps)
     run.bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process,
                    dynamic_ncols=True)
     if progress.step < total_steps and not progress.finished:
@@ -394,6 +395,13 @@ def epoch_loader(run: Run, progress: TrainingProgress) -> Any:
     loader.set_epoch(progress.epoch)
     run.sampler.set_epoch(progress.epoch)
     return loader
+
+
+def heaviest_step(sampler: Any, progress: TrainingProgress, total_steps: int) -> int:
+    """The step of this epoch's window with the most padded tokens, which the memory report samples too."""
+    first = progress.epoch * sampler.num_windows()  # the steps of the epochs before
+    sampler.set_epoch(progress.epoch)
+    return first + sampler.heaviest_window(limit=max(1, total_steps - first)) + 1
 
 
 def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums) -> str:

@@ -160,6 +160,18 @@ def test_sampler_stamps_window_sizes_on_ragged_tail() -> None:
     assert s.num_windows() == 2 and len(s) == 3
 
 
+@pytest.mark.parametrize("group_by_length", [True, False])
+def test_heaviest_window_has_the_most_padded_tokens(group_by_length: bool) -> None:
+    lengths = [(i * 37) % 61 + 2 for i in range(203)]  # a ragged tail: 203 rows in windows of 3 x 4
+    s = WindowedBatchSampler(lengths, batch_size=4, accumulation=3, seed=5, group_by_length=group_by_length)
+    s.set_epoch(1)
+    batches = _windows(s)  # the micro-batches as the loader receives them, 3 to a window
+    cost = [max((len(b) * max(lengths[i] for i, _, _ in b), max(lengths[i] for i, _, _ in b)) for b in batches[w:w + 3])
+            for w in range(0, len(batches), 3)]  # fmt: skip
+    assert s.heaviest_window() == cost.index(max(cost))
+    assert s.heaviest_window(limit=5) == cost.index(max(cost[:5]))
+
+
 def test_sampler_is_seeded_per_epoch() -> None:
     lengths = [(i * 13) % 31 + 1 for i in range(200)]
     a = WindowedBatchSampler(lengths, batch_size=8, accumulation=1, seed=3)

@@ -120,10 +120,16 @@ def test_every_checkpoint_has_a_memory_report(
         assert rep["optimizer_state_bytes"] == _nbytes(
             v for s in optim["state"].values() for v in s.values() if isinstance(v, torch.Tensor)
         )
-    # step 1 is before the sampled step; the sample (step 2) is then in every later report
+    # step 1 is before the sampled step; the sample of step 2 is in step 2's report
     assert json.loads((checkpoints[0] / "memory.json").read_text())["peak_bytes"] is None
+    second = json.loads((checkpoints[1] / "memory.json").read_text())
+    assert second["breakdown_method"].startswith("MemTracker on optimizer step 2") and second["peak_bytes"] > 0
+    # step 3's window has the longer rows (length-grouped windows): sampled as well, the higher peak kept
     last = json.loads((checkpoints[-1] / "memory.json").read_text())
-    assert last["breakdown_method"].startswith("MemTracker on optimizer step 2") and last["peak_bytes"] > 0
+    kept = last["breakdown_method"].split(" (")[0].removeprefix("MemTracker on optimizer step ")
+    assert {int(kept), last["other_sample"]["step"]} == {2, 3}
+    assert last["peak_bytes"] >= last["other_sample"]["peak_bytes"] and second["peak_bytes"] in (
+        last["peak_bytes"], last["other_sample"]["peak_bytes"])
     # what was measured: the sampled window's two micro-batches of 16 rows, padded per batch
     assert [b[0] for b in last["sampled_batches"]] == [16, 16]
     assert all(1 < b[1] <= load_config(cfg).data.max_length for b in last["sampled_batches"])
