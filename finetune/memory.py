@@ -150,7 +150,6 @@ class MemoryMonitor:
         self._shapes: list[list[int]] = []
         # the step of the window with the most padded tokens: sampled too, and the higher peak is kept
         self.heaviest_step: int | None = None
-        self._earlier: dict[str, Any] | None = None
         self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
         self._rss_resettable = _reset_vm_hwm()
         inner = getattr(optimizer, "optimizer", optimizer)

@@ -529,8 +529,8 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         path = saved or save(run, progress, sums)  # not a second save of the same step inside the grace period
         run.accelerator.end_training()  # flush the trackers (TensorBoard) before exiting
         raise Preempted(stop_signal, step, path)
-    # one MemTracker window per process feeds the checkpoints' and the final memory report; not after the last
-    # step: evaluation and export run untracked
+    # MemTracker windows (step 2 and the heaviest) feed the checkpoints' and the final memory report; not after
+    # the last step: evaluation and export run untracked
     if step < run.total_steps and not progress.finished:
         run.memory.begin_sample(step)
 
