@@ -59,6 +59,7 @@ HARMLESS_KEYS = {
     "checkpoint.export",
     "memory.record_history",
     "log.trackers",
+    "model.head_init",  # a resumed run's head comes from the checkpoint
     "data.data_dir",  # where the files are; their content is compared by sha256 instead
     "data.num_workers",  # workers only read and collate; loaders have their own generators
     "run.num_threads",  # intra-op threads: the same arithmetic on CPU fp32 (reductions are per-output)

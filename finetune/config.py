@@ -185,6 +185,13 @@ class ModelConfig(_Section):
         "8bit: LLM.int8) and train LoRA on it (QLoRA; needs model.lora); the head and norms stay unquantized, "
         "final/ is the unquantized base with the adapters merged",
     )
+    head_init: Literal["prior", "random"] = Field(
+        "prior",
+        description="the output layer's starting point: prior sets its bias to each label's log-odds in the training "
+        "data (multi-label) or to the target mean, with weights scaled by the target spread (regression), so the "
+        "first steps learn the text rather than the base rate; single-label heads keep the model's random init; "
+        "random: the model's own init everywhere",
+    )
     compile: bool = Field(
         False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
     )

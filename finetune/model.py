@@ -158,11 +158,15 @@ def choose_pad_token(tokenizer: Any, splits: list[Any]) -> str | None:
     raise AssertionError("a new pad token cannot occur in already tokenized data")
 
 
-def build_model(cfg: Config, label_names: list[str], tokenizer: Any, empty: bool = False) -> PreTrainedModel:
+def build_model(
+    cfg: Config, label_names: list[str], tokenizer: Any, empty: bool = False, targets: torch.Tensor | None = None
+) -> PreTrainedModel:
     """A sequence classifier with `num_labels`, `id2label` and `label2id` taken from the data.
 
     `empty=True` (the planner): parameters on the meta device, never allocated nor loaded (the
     config alone is read); `model.plan_architecture` stands in for a pretrained model's config.
+    `targets` (the training labels): the head starts at their base rate (`init_head`) when
+    `model.head_init` is prior.
 
     Raises:
         UserError: the model or tokenizer cannot be loaded or built, or bitsandbytes cannot quantize it.
@@ -196,6 +200,10 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any, empty: bool
     use_pad_token(model, tokenizer)
     if cfg.train.reinit_top_layers:
         reinit_top_layers(model, cfg.train.reinit_top_layers)
+    if targets is not None and m.head_init == "prior":
+        note = init_head(model, m.problem_type, targets)
+        if note:
+            logger.info(note)
     if m.gradient_checkpointing:
         # non-reentrant: works with frozen inputs and under torch.compile. transformers 5 renamed the
         # method (the old name prints a FutureWarning on every run); older releases only have the old one
@@ -445,6 +453,46 @@ def use_pad_token(model: PreTrainedModel, tokenizer: Any) -> None:
 # trained in full under LoRA (peft `modules_to_save`), never LoRA-targeted, merged into final/; the
 # names `head_names` falls back to for a model whose base model is not a direct child.
 HEAD_NAMES = ("pre_classifier", "classifier", "score", "pooler", "head")
+
+
+def output_layer(model: PreTrainedModel) -> torch.nn.Linear | None:
+    """The head's last linear layer: the one that writes the `num_labels` logits (None if not found)."""
+    found = None
+    for name in head_names(model):
+        for module in getattr(model, name).modules():
+            if isinstance(module, torch.nn.Linear) and module.out_features == model.config.num_labels:
+                found = module
+    return found
+
+
+def init_head(model: PreTrainedModel, problem_type: str, targets: torch.Tensor) -> str | None:
+    """Start the output layer at the training data's base rate (`model.head_init=prior`); returns a log line.
+
+    Multi-label: each bias at the log-odds of its label's positive rate, so the sigmoids start at the
+    prior instead of 0.5. Regression: the bias at the target mean and the weights scaled by the target
+    standard deviation, which is training on standardised targets with the scale folded into the layer
+    (final/ predicts on the original scale). Without it, AdamW moves a bias by about the learning rate
+    per step: reaching a mean of 2.7 or log-odds of -3.5 takes thousands of steps, and the first ones
+    teach the body the base rate instead of the text. Single-label heads, and a head loaded from a
+    classifier checkpoint (continued fine-tuning), are left alone.
+    `targets`: multi-hot rows (multi-label) or scores (regression), one per training row.
+    """
+    layer = output_layer(model)
+    if layer is None or layer.bias is None or problem_type == "single_label_classification" or len(targets) == 0:
+        return None
+    if any(a.endswith("ForSequenceClassification") for a in model.config.architectures or []):
+        return "head init: the checkpoint brings its own classification head; kept as loaded"
+    t = targets.double()
+    with torch.no_grad():
+        if problem_type == "regression":
+            mean, std = float(t.mean()), float(t.std()) if len(t) > 1 else 1.0
+            layer.bias.fill_(mean)
+            layer.weight.mul_(std if std > 0 else 1.0)
+            return f"head init: output bias at the target mean {mean:.4g}, weights scaled by its std {std:.4g}"
+        rate = t.mean(0).clamp(1e-4, 1 - 1e-4)  # a label never (or always) seen keeps a finite logit
+        layer.bias.copy_(torch.log(rate / (1 - rate)).to(layer.bias.dtype))
+    low, high = float(rate.min()), float(rate.max())
+    return f"head init: output biases at each label's log-odds (positive rates {low:.3g} to {high:.3g})"
 
 
 def freeze_embeddings(model: PreTrainedModel) -> None:

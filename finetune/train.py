@@ -185,7 +185,7 @@ def train(
     tokenizer = build_tokenizer(cfg)
     data = build_data(cfg, tokenizer)
     pad_note = choose_pad_token(tokenizer, [data.train, data.validation, data.test])  # pad never inside a text
-    model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer)
+    model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer, train_targets(data))
     P = accelerator.num_processes
     micro, G, planned = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
     accelerator.gradient_accumulation_steps = G
@@ -267,7 +267,16 @@ def train(
 # Setup.
 
 
-def build_policy_model(cfg: Config, label_names: list[str], tokenizer: Any) -> tuple[torch.nn.Module, dict, list[str]]:
+def train_targets(data: Data) -> torch.Tensor | None:
+    """The training labels as one tensor (multi-hot rows or scores), for the head's starting point."""
+    if data.problem_type == "single_label_classification" or "labels" not in data.train.column_names:
+        return None
+    return torch.tensor(data.train["labels"][:], dtype=torch.float64)
+
+
+def build_policy_model(
+    cfg: Config, label_names: list[str], tokenizer: Any, targets: torch.Tensor | None = None
+) -> tuple[torch.nn.Module, dict, list[str]]:
     """The model with the precision policy applied (bf16-true cast, fp32 norms), audited, then
     compiled in place (this order); returns it with its dtype audit and the fp32 norm modules.
 
@@ -275,7 +284,7 @@ def build_policy_model(cfg: Config, label_names: list[str], tokenizer: Any) -> t
         UserError: the model cannot be built, packs badly, or contradicts the precision policy.
     """
     check_quantized_autocast(cfg)
-    model = build_model(cfg, label_names, tokenizer)
+    model = build_model(cfg, label_names, tokenizer, targets=targets)
     if cfg.data.packing:
         check_packing(model)
     prec = cfg.precision
