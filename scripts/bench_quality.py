@@ -1,0 +1,163 @@
+"""Model quality from the shipped configs, next to the published anchors: GoEmotions, STS-B, SST-2, MRPC.
+
+Every run is the real `python finetune/train.py --config configs/<task>.yaml` (overrides only for the
+output directory, the seed and, where asked, the candidate under test), so the numbers are what a user
+gets from the README. For each run: the headline metric with final/'s bootstrap interval (eval.json),
+STS-B's Pearson after the first 60 optimizer steps (an evaluation every 60 steps), and the wall time.
+`--rules RUN_DIR` compares multi-label decision rules on a finished run's predictions.jsonl: rules are
+chosen on validation and scored on test, never tuned on test.
+
+    .venv/bin/python scripts/bench_quality.py [--tasks stsb goemotions sst2-full mrpc demo] [--seeds 42 43 44]
+        [--set key=value ...] [--out FILE]
+    .venv/bin/python scripts/bench_quality.py --rules runs/goemotions-minilm
+
+Prints markdown tables (median over seeds, then each seed) and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_imbalance import ROOT, run
+from sklearn.metrics import f1_score
+
+# task -> (config, headline key in eval.json (or test.<key>), goal, published anchor)
+TASKS = {
+    "goemotions": ("configs/goemotions-minilm.yaml", "test.macro_f1", 0.42, "BERT-base 0.46 (Demszky et al. 2020)"),
+    "stsb": ("configs/stsb-minilm.yaml", "spearman", 0.86, "distilbert-base-nli-stsb 0.852 Spearman"),
+    "sst2-full": ("configs/sst2-minilm-full.yaml", "accuracy", 0.905, "distilbert-sst2 0.911"),
+    "mrpc": ("configs/mrpc-minilm.yaml", "f1", 0.88, "MiniLM-L12 89.5 accuracy"),
+    "demo": ("configs/sst2-minilm.yaml", "accuracy", 0.88, "demo before this change 0.8784"),
+}
+EXTRA = {"stsb": ["train.eval_every_steps=60"]}  # the Pearson after 60 steps
+
+
+def headline(final: dict, key: str) -> tuple[float, list[float] | None]:
+    node = final
+    *parents, last = key.split(".")
+    for p in parents:
+        node = node[p]
+    if last == "f1" and "f1" not in node:  # a pair task's F1: the positive class's
+        per = node["per_class"]
+        positive = list(per)[-1]
+        return per[positive]["f1"], None
+    return node[last], node.get(f"{last}_ci")
+
+
+def first_eval(run_dir: Path, step: int) -> float | None:
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("step") == step and "eval_pearson" in row:
+            return row["eval_pearson"]
+    return None
+
+
+def bench(tasks: list[str], seeds: list[int], settings: list[str], work: Path, out: Path) -> dict:
+    results: dict[str, list[dict]] = {t: [] for t in tasks}
+    for seed in seeds:
+        for task in tasks:
+            config, key, _, _ = TASKS[task]
+            run_dir = work / f"{task}-s{seed}"
+            overrides = [f"run.seed={seed}", "log.plots=false", *settings]
+            final, wall = run(config, overrides + EXTRA.get(task, []), run_dir)
+            value, ci = headline(final, key)
+            row = {"seed": seed, key: value, "ci": ci, "wall_s": wall}
+            if task == "stsb":
+                row["pearson_at_60"] = first_eval(run_dir, 60)
+            results[task].append(row)
+            print(f"{task} seed {seed}: {key} {value:.4f} {ci} {wall:.0f} s {row.get('pearson_at_60', '')}", flush=True)
+            out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+    return results
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    lines = ["| task (config) | metric | median | goal | anchor | wall s (median) | per seed: value [95% CI], s |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for task, rows in results.items():
+        if not rows:
+            continue
+        config, key, goal, anchor = TASKS[task]
+        med = statistics.median(r[key] for r in rows)
+        per = "; ".join(f"{r[key]:.4f}" + (f" [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" if r["ci"] else "")
+                        + f", {r['wall_s']:.0f}" for r in rows)  # fmt: skip
+        if task == "stsb":
+            per += "; Pearson after 60 steps: " + ", ".join(f"{r['pearson_at_60']:.3f}" for r in rows)
+        wall = statistics.median(r["wall_s"] for r in rows)
+        lines.append(f"| {task} (`{config}`) | {key} | {med:.4f} | {goal} | {anchor} | {wall:.0f} | {per} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-label decision rules, from a run's predictions.jsonl (validation chooses, test scores).
+
+GRID = np.round(np.arange(0.05, 0.951, 0.05), 2)
+
+
+def _arrays(rows: list[dict], names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    y = np.array([[n in r["gold"] for n in names] for r in rows], dtype=bool)
+    p = np.array([[r["probabilities"][n] for n in names] for r in rows])
+    return y, p
+
+
+def _per_label(y: np.ndarray, p: np.ndarray) -> np.ndarray:
+    return np.array([GRID[int(np.argmax([f1_score(y[:, j], p[:, j] >= t, zero_division=0) for t in GRID]))]
+                     for j in range(y.shape[1])])  # fmt: skip
+
+
+def _with_top(p: np.ndarray, pred: np.ndarray) -> np.ndarray:
+    out = pred.copy()
+    out[np.arange(len(p)), p.argmax(1)] = True
+    return out
+
+
+def rules(run_dir: Path) -> str:
+    rows = [json.loads(x) for x in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    names = list(rows[0]["probabilities"])
+    yv, pv = _arrays([r for r in rows if r["split"] == "validation"], names)
+    yt, pt = _arrays([r for r in rows if r["split"] == "test"], names)
+    per = _per_label(yv, pv)
+    best_global = GRID[int(np.argmax([f1_score(yv, pv >= t, average="macro", zero_division=0) for t in GRID]))]
+    candidates = {
+        "0.5 everywhere": lambda p: p >= 0.5,
+        "per-label thresholds (tuned on validation)": lambda p: p >= per[None, :],
+        f"one global threshold ({best_global:.2f}, tuned on validation)": lambda p: p >= best_global,
+        "per-label thresholds + at least the top label": lambda p: _with_top(p, p >= per[None, :]),
+        f"global {best_global:.2f} + at least the top label": lambda p: _with_top(p, p >= best_global),
+    }
+    lines = ["| decision rule | validation macro-F1 | validation micro-F1 | test macro-F1 | test micro-F1 | "
+             f"test labels per text (gold {yt.sum(1).mean():.2f}) |", "|---|---|---|---|---|---|"]
+    for name, rule in candidates.items():
+        v, t = rule(pv), rule(pt)
+        lines.append(f"| {name} | {f1_score(yv, v, average='macro', zero_division=0):.4f} | "
+                     f"{f1_score(yv, v, average='micro', zero_division=0):.4f} | "
+                     f"{f1_score(yt, t, average='macro', zero_division=0):.4f} | "
+                     f"{f1_score(yt, t, average='micro', zero_division=0):.4f} | {t.sum(1).mean():.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42])
+    parser.add_argument("--set", nargs="*", default=[], help="overrides for every run (a candidate under test)")
+    parser.add_argument("--rules", type=Path, default=None, help="a finished multi-label run directory")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_quality"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench_quality.json"))
+    args = parser.parse_args()
+    if args.rules is not None:
+        print(rules(args.rules))
+        return
+    start = time.perf_counter()
+    results = bench(args.tasks, args.seeds, args.set, args.work, args.out)
+    print(f"\n{table(results)}\n\ncommand: scripts/bench_quality.py --tasks {' '.join(args.tasks)} --seeds "
+          f"{' '.join(map(str, args.seeds))}" + (f" --set {' '.join(args.set)}" if args.set else "")
+          + f"; total {time.perf_counter() - start:.0f} s; root {ROOT}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
