@@ -159,14 +159,19 @@ def choose_pad_token(tokenizer: Any, splits: list[Any]) -> str | None:
 
 
 def build_model(
-    cfg: Config, label_names: list[str], tokenizer: Any, empty: bool = False, targets: torch.Tensor | None = None
+    cfg: Config,
+    label_names: list[str],
+    tokenizer: Any,
+    empty: bool = False,
+    targets: torch.Tensor | None = None,
+    notes: list[str] | None = None,
 ) -> PreTrainedModel:
     """A sequence classifier with `num_labels`, `id2label` and `label2id` taken from the data.
 
     `empty=True` (the planner): parameters on the meta device, never allocated nor loaded (the
     config alone is read); `model.plan_architecture` stands in for a pretrained model's config.
     `targets` (the training labels): the head starts at their base rate (`init_head`) when
-    `model.head_init` is prior.
+    `model.head_init` is prior; what it did is appended to `notes` (logged once the run's log exists).
 
     Raises:
         UserError: the model or tokenizer cannot be loaded or built, or bitsandbytes cannot quantize it.
@@ -202,8 +207,8 @@ def build_model(
         reinit_top_layers(model, cfg.train.reinit_top_layers)
     if targets is not None and m.head_init == "prior":
         note = init_head(model, m.problem_type, targets)
-        if note:
-            logger.info(note)
+        if note and notes is not None:
+            notes.append(note)
     if m.gradient_checkpointing:
         # non-reentrant: works with frozen inputs and under torch.compile. transformers 5 renamed the
         # method (the old name prints a FutureWarning on every run); older releases only have the old one

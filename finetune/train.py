@@ -185,7 +185,8 @@ def train(
     tokenizer = build_tokenizer(cfg)
     data = build_data(cfg, tokenizer)
     pad_note = choose_pad_token(tokenizer, [data.train, data.validation, data.test])  # pad never inside a text
-    model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer, train_targets(data))
+    notes = [pad_note] if pad_note else []  # logged once the run directory's train.log exists
+    model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer, train_targets(data), notes)
     P = accelerator.num_processes
     micro, G, planned = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
     accelerator.gradient_accumulation_steps = G
@@ -201,7 +202,7 @@ def train(
     setup_logging(accelerator, run_dir)
     logger.info(format_data_report(data.report))
     logger.info(format_audit(audit))
-    for note in (pad_note, describe_groups(optimizer)):
+    for note in (*notes, describe_groups(optimizer)):
         if note:
             logger.info(note)
     trainable, total_params = count_parameters(model)
@@ -275,7 +276,11 @@ def train_targets(data: Data) -> torch.Tensor | None:
 
 
 def build_policy_model(
-    cfg: Config, label_names: list[str], tokenizer: Any, targets: torch.Tensor | None = None
+    cfg: Config,
+    label_names: list[str],
+    tokenizer: Any,
+    targets: torch.Tensor | None = None,
+    notes: list[str] | None = None,
 ) -> tuple[torch.nn.Module, dict, list[str]]:
     """The model with the precision policy applied (bf16-true cast, fp32 norms), audited, then
     compiled in place (this order); returns it with its dtype audit and the fp32 norm modules.
@@ -284,7 +289,7 @@ def build_policy_model(
         UserError: the model cannot be built, packs badly, or contradicts the precision policy.
     """
     check_quantized_autocast(cfg)
-    model = build_model(cfg, label_names, tokenizer, targets=targets)
+    model = build_model(cfg, label_names, tokenizer, targets=targets, notes=notes)
     if cfg.data.packing:
         check_packing(model)
     prec = cfg.precision
