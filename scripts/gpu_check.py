@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import importlib.metadata
 import importlib.util
@@ -73,7 +74,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from bench_memory import CKPT, LORA, MINILM_ARCH, RUNGS  # noqa: E402
+from bench_memory import LORA, MINILM_ARCH, RUNGS  # noqa: E402
 from bench_vs_trainer import shared_hparams  # noqa: E402
 
 from finetune import faults  # noqa: E402
@@ -121,7 +122,7 @@ def shapes(dry_run: bool) -> dict[str, Shape]:
         minilm = {**minilm, **tiny}
         qwen = {**qwen, **tiny, "num_key_value_heads": 1}
         return {
-            "minilm": Shape("minilm", "encoder", minilm, 32, 8, 6, 1e-3, ALL_MODES, LADDER, 8),
+            "minilm": Shape("minilm", "encoder", minilm, 32, 8, 4, 1e-3, ALL_MODES, (0, 6, 4), 8),
             "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "decoder", qwen, 32, 8, 2, 1e-3, ("bf16",), (3,), 8),
         }
     return {
@@ -262,8 +263,9 @@ def one_line(exc: BaseException) -> str:
 
 
 def release() -> None:
-    gc.collect()
+    """Between runs on a GPU: the last run's blocks back to the device (a CPU has nothing to hand back)."""
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -299,8 +301,8 @@ def mode_overrides(mode: str, dry_run: bool) -> list[str]:
     """precision.mode and compile for one row ('fp32 seed 1': the noise of the loss comparison)."""
     if mode == "fp32 seed 1":
         return ["precision.mode=fp32", "run.seed=1"]
-    if mode == "bf16 compile":  # the CPU dry run compiles with aot_eager: inductor takes minutes on 2 cores
-        return ["precision.mode=bf16", "model.compile=true", *(["model.compile_backend=aot_eager"] * dry_run)]
+    if mode == "bf16 compile":  # the CPU dry run compiles with dynamo alone: inductor takes minutes on 2 cores
+        return ["precision.mode=bf16", "model.compile=true", *(["model.compile_backend=eager"] * dry_run)]
     return [f"precision.mode={mode}"]
 
 
@@ -344,7 +346,8 @@ def precision_section(
     for mode in w.shape.modes:
         row: dict[str, Any] = {"model": w.shape.name, "mode": mode, "micro": w.shape.micro,
                                "max_length": w.shape.max_length, "mean_tokens": mean_tokens}  # fmt: skip
-        if clock.left() < 5:
+        # a compile on a GPU takes its minute or two: not started where it cannot end inside the cap
+        if clock.left() < (90 if "compile" in mode and not dry_run else 5):
             row["skipped"] = "time cap of the precision section"
         elif mode == "fp16" and not torch.cuda.is_available():
             row["skipped"] = "CPU: Accelerate ignores fp16 there and finetune refuses it"
@@ -380,8 +383,12 @@ def rung_overrides(w: Workload, index: int) -> tuple[str, list[str], int, int]:
     name, overrides, micro, accumulation, _ = RUNGS[index]
     if w.shape.kind == "decoder":
         overrides = [o if o != LORA else "model.lora={r: 8, alpha: 16}" for o in overrides]
-    return name, [*overrides, f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accumulation}"], \
-        micro, accumulation
+    return (
+        name,
+        [*overrides, f"train.micro_batch_size={micro}", f"train.gradient_accumulation_steps={accumulation}"],
+        micro,
+        accumulation,
+    )
 
 
 def measure_rungs(w: Workload, clock: Clock | None) -> list[dict[str, Any]]:
@@ -414,7 +421,7 @@ def measure_rungs(w: Workload, clock: Clock | None) -> list[dict[str, Any]]:
     return out
 
 
-def memory_section(w: Workload, clock: Clock, dry_run: bool, out: Path) -> list[dict[str, Any]]:
+def memory_section(w: Workload, clock: Clock, out: Path) -> list[dict[str, Any]]:
     """Plan and measurement per rung; then the same measurements with expandable segments."""
     rows = measure_rungs(w, clock)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -433,7 +440,7 @@ def memory_section(w: Workload, clock: Clock, dry_run: bool, out: Path) -> list[
                 row["within_10pct"] = abs(row["plan_over_measured"] - 1) <= 0.10
         except Exception as exc:
             row["plan_error"] = one_line(exc)
-    expandable = expandable_rows(w, clock, dry_run, out)
+    expandable = expandable_rows(w, clock, out)
     for row, other in zip(rows, expandable, strict=True):
         for key in ("measured_mib", "reserved_mib", "fragmentation_mib", "error", "skipped"):
             if key in other:
@@ -441,11 +448,11 @@ def memory_section(w: Workload, clock: Clock, dry_run: bool, out: Path) -> list[
     return rows
 
 
-def expandable_rows(w: Workload, clock: Clock, dry_run: bool, out: Path) -> list[dict[str, Any]]:
+def expandable_rows(w: Workload, clock: Clock, out: Path) -> list[dict[str, Any]]:
     """The rungs measured again with `expandable_segments:True`, in a child process (the allocator
-    reads the setting when CUDA initialises); on a CPU in-process, as the plumbing check."""
+    reads the setting when CUDA initialises)."""
     if not torch.cuda.is_available():
-        return [{**r, "skipped": "CPU: no CUDA allocator"} for r in measure_rungs(w, None)] if dry_run else []
+        return [{"skipped": "CPU: no CUDA allocator"} for _ in w.shape.rungs]
     left = clock.left()
     if left < 20:
         return [{"skipped": "time cap of the memory section"} for _ in w.shape.rungs]
@@ -532,11 +539,20 @@ def trainer_section(w: Workload, precision: list[dict[str, Any]], clock: Clock) 
     (same rows, steps, micro-batch, seed and initialisation)."""
     mode = "bf16"
     ours = next((r for r in precision if r["mode"] == mode and r.get("samples_per_s")), None)
-    rows = [{"model": w.shape.name, "precision": mode, "contestant": "finetune",
-             **({"samples_per_s": ours["samples_per_s"]} if ours else {"skipped": "no bf16 row in section 1"})}]
+    rows = [
+        {
+            "model": w.shape.name,
+            "precision": mode,
+            "contestant": "finetune",
+            **({"samples_per_s": ours["samples_per_s"]} if ours else {"skipped": "no bf16 row in section 1"}),
+        }
+    ]
     for grouped in (False, True):
-        row: dict[str, Any] = {"model": w.shape.name, "precision": mode,
-                               "contestant": "Trainer, group_by_length" if grouped else "Trainer, defaults"}
+        row: dict[str, Any] = {
+            "model": w.shape.name,
+            "precision": mode,
+            "contestant": "Trainer, group_by_length" if grouped else "Trainer, defaults",
+        }
         if clock.left() < 10:
             row["skipped"] = "time cap of the Trainer section"
         else:
@@ -597,7 +613,9 @@ def oom_section(w: Workload, clock: Clock) -> list[dict[str, Any]]:
                                             f"train.micro_batch_size={micro}", "train.max_steps=3"])  # fmt: skip
             train(cfg)
             summary = json.loads((Path(cfg.run.output_dir) / "memory.json").read_text())["config"]
-            row.update(micro_after=summary["micro_batch_size"], accumulation_after=summary["gradient_accumulation_steps"])
+            row.update(
+                micro_after=summary["micro_batch_size"], accumulation_after=summary["gradient_accumulation_steps"]
+            )
             row["effective_after"] = row["micro_after"] * row["accumulation_after"]
         except Exception as exc:
             row["error"] = one_line(exc)
@@ -608,7 +626,9 @@ def oom_section(w: Workload, clock: Clock) -> list[dict[str, Any]]:
         try:
             got = trainer_run(w, "bf16", False, 3, micro, w.fixed_file, auto_batch=True,
                               simulate_cap=None if torch.cuda.is_available() else micro // 2)  # fmt: skip
-            row.update(micro_after=got["batch_size_after"], accumulation_after=1, effective_after=got["batch_size_after"])
+            row.update(
+                micro_after=got["batch_size_after"], accumulation_after=1, effective_after=got["batch_size_after"]
+            )
         except Exception as exc:
             row["error"] = one_line(exc)
         rows.append(row)
@@ -623,6 +643,9 @@ def oom_section(w: Workload, clock: Clock) -> list[dict[str, Any]]:
 # Report.
 
 
+YES_NO = {True: "yes", False: "NO"}
+
+
 def _f(x: Any, fmt: str = ",.0f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
@@ -635,7 +658,7 @@ def markdown(result: dict[str, Any]) -> str:
     """The tables docs/BENCHMARKS.md (precision, Trainer, OOM) and docs/MEMORY.md (ladder) take."""
     env = result["environment"]
     lines = [f"{env['device']}; torch {env['torch']}, transformers {env['transformers']}, accelerate "
-             f"{env['accelerate']}; {'DRY RUN on CPU, tiny shapes: plumbing only' if result['dry_run'] else 'GPU run'}; "
+             f"{env['accelerate']}; {'DRY RUN on CPU, tiny shapes: plumbing' if result['dry_run'] else 'GPU run'}; "
              f"{result['wall_s']:.0f} s in all", "",
              "### Precision (`finetune.train.train`, random weights, synthetic rows)", "",
              f"MFU = tokens/s x (6 N + 12 l d T) / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (N: nn.Linear weights, "
@@ -656,12 +679,17 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_f(100 * r['mfu'] if r.get('mfu') else None, '.1f')}% | {_f(r['first_interval_s'], '.1f')} | "
             f"{_f(r['compile_graphs'], 'd')} | {_f(r['fp16_skipped_steps'], 'd')} | "
             f"{r['first_loss']:.4f} -> {r['last_loss']:.4f} | {_f(r.get('loss_delta_vs_fp32'), '+.4f')} | "
-            f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('loss_within_noise')]} | {_f(r['peak_memory_mib'])} | "
-            f"{_f(a.get('peak_reserved_bytes', 0) / MiB if a else None)} | {_f(frag / MiB if frag is not None else None)} |"
+            f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('loss_within_noise')] } | {_f(r['peak_memory_mib'])} | "
+            f"{_f(a['peak_reserved_bytes'] / MiB if a else None)} | {_f(frag / MiB if frag is not None else None)} |"
         )
-    lines += ["", "### Memory: the plan against the allocator (second window, worst case max_length tokens per row)",
-              "", "| model | rung | micro x accum | plan MiB | measured MiB | plan / measured | within 10% | reserved MiB "
-              "| frag MiB | expandable: measured / reserved / frag MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "### Memory: the plan against the allocator (second window, worst case max_length tokens per row)",
+        "",
+        "| model | rung | micro x accum | plan MiB | measured MiB | plan / measured | within 10% "
+        "| reserved MiB | frag MiB | expandable: measured / reserved / frag MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["memory"]:
         head = f"| {r['model']} | {r['rung']} | {r['micro']} x {r['accumulation']} |"
         if "skipped" in r:
@@ -669,28 +697,43 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         exp = _why({k[11:]: v for k, v in r.items() if k.startswith("expandable_")}) or (
             f"{_f(r.get('expandable_measured_mib'))} / {_f(r.get('expandable_reserved_mib'))} / "
-            f"{_f(r.get('expandable_fragmentation_mib'))}")
+            f"{_f(r.get('expandable_fragmentation_mib'))}"
+        )
         lines.append(
-            f"{head} {_f(r.get('planned_mib'))} | {_f(r.get('measured_mib'))}{' (' + r['error'] + ')' if 'error' in r else ''}"
-            f" | {_f(r.get('plan_over_measured'), '.3f')} | {({True: 'yes', False: 'NO'}).get(r.get('within_10pct'), '-')}"
+            f"{head} {_f(r.get('planned_mib'))} | {_f(r.get('measured_mib'))}{f' ({_why(r)})' if 'error' in r else ''}"
+            f" | {_f(r.get('plan_over_measured'), '.3f')} | {YES_NO.get(r.get('within_10pct'), '-')}"
             f" | {_f(r.get('reserved_mib'))} | {_f(r.get('fragmentation_mib'))} | {exp} |"
         )
-    lines += ["", "### Side by side with transformers.Trainer (same model, rows, steps, precision)", "",
-              "| model | precision | contestant | samples/s | finetune / this |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "### Side by side with transformers.Trainer (same model, rows, steps, precision)",
+        "",
+        "| model | precision | contestant | samples/s | finetune / this |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["trainer"]:
-        lines.append(f"| {r['model']} | {r['precision']} | {r['contestant']} | "
-                     f"{_why(r) or _f(r.get('samples_per_s'))} | {_f(r.get('finetune_over_this'), '.2f')} |")
-    lines += ["", "### Out-of-memory backoff at a micro-batch that does not fit", "",
-              "| model | contestant | cap | micro asked | after | accumulation after | effective batch before -> after "
-              "| kept |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['model']} | {r['precision']} | {r['contestant']} | "
+            f"{_why(r) or _f(r.get('samples_per_s'))} | {_f(r.get('finetune_over_this'), '.2f')} |"
+        )
+    lines += [
+        "",
+        "### Out-of-memory backoff at a micro-batch that does not fit",
+        "",
+        "| model | contestant | cap | micro asked | after | accumulation after | effective batch before -> after "
+        "| kept |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["oom"]:
         if _why(r) and "contestant" not in r:
             lines.append(f"| {r['model']} | {_why(r)} |" + " |" * 6)
             continue
-        lines.append(f"| {r['model']} | {r['contestant']} | {r['cap']} | {r['micro_asked']} | "
-                     f"{_why(r) or r['micro_after']} | {r.get('accumulation_after', '-')} | "
-                     f"{r['effective_before']} -> {r.get('effective_after', '-')} | "
-                     f"{ {True: 'yes', False: 'no', None: '-'}[r.get('effective_batch_kept')]} |")
+        lines.append(
+            f"| {r['model']} | {r['contestant']} | {r['cap']} | {r['micro_asked']} | "
+            f"{_why(r) or r['micro_after']} | {r.get('accumulation_after', '-')} | "
+            f"{r['effective_before']} -> {r.get('effective_after', '-')} | "
+            f"{ {True: 'yes', False: 'no', None: '-'}[r.get('effective_batch_kept')] } |"
+        )
     if result["skipped"]:
         lines += ["", "Not run: " + "; ".join(result["skipped"])]
     return "\n".join(lines) + "\n"
@@ -756,11 +799,23 @@ def main(argv: list[str] | None = None) -> int:
     # share of the budget per (section, model): the precision runs carry the speed numbers
     caps = {("precision", "minilm"): 0.25, ("precision", "qwen2.5-0.5b"): 0.22, ("memory", "minilm"): 0.14,
             ("memory", "qwen2.5-0.5b"): 0.14, ("trainer", "minilm"): 0.1, ("oom", "minilm"): 0.1}  # fmt: skip
-    result: dict[str, Any] = {"dry_run": args.dry_run, "environment": environment(), "peak_flops": PEAK_BF16_FLOPS,
-                              "precision": [], "memory": [], "trainer": [], "oom": [], "skipped": [], "wall_s": 0.0}
-    if not result["environment"]["bitsandbytes"]:
-        result["skipped"].append("8-bit AdamW and QLoRA rows: bitsandbytes is not installed (its wheel is over the "
-                                 "64 MiB that travels to the device)")
+    result: dict[str, Any] = {
+        "dry_run": args.dry_run,
+        "environment": environment(),
+        "peak_flops": PEAK_BF16_FLOPS,
+        "precision": [],
+        "memory": [],
+        "trainer": [],
+        "oom": [],
+        "skipped": [],
+        "wall_s": 0.0,
+    }
+    bnb = result["environment"]["bitsandbytes"] and torch.cuda.is_available()
+    if not bnb:
+        result["skipped"].append(
+            "8-bit AdamW and QLoRA rows: they need bitsandbytes on CUDA (the GPU machine has no "
+            "bitsandbytes, and its wheel is over the 64 MiB that travel there)"
+        )
 
     def emit() -> None:  # after every row: a run stopped at its limit still leaves its numbers
         result["wall_s"] = time.perf_counter() - clock.start
@@ -768,8 +823,13 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu_check.md").write_text(markdown(result))
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        loads = {name: workload(s, Path(tmp) / name) for name, s in shapes(args.dry_run).items()
-                 if args.models is None or name in args.models}  # fmt: skip
+        chosen = {name: s for name, s in shapes(args.dry_run).items() if args.models is None or name in args.models}
+        if bnb and "minilm" in chosen:  # bench_memory's 8-bit AdamW rung, where bitsandbytes can run
+            chosen["minilm"] = dataclasses.replace(chosen["minilm"], rungs=(*chosen["minilm"].rungs, 7))
+        loads = {name: workload(s, Path(tmp) / name) for name, s in chosen.items()}
+        # what is alive now (torch, transformers, the tokenizers) lives to the end: later collections
+        # (Trainer's and Accelerate's after every try of a batch size) need not walk it again
+        gc.freeze()
         for section in ("precision", "memory", "trainer", "oom"):
             for name, w in loads.items():
                 share = caps.get((section, name))
@@ -780,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
                 if section == "precision":
                     precision_section(w, clock, args.dry_run, result["precision"], emit)
                 elif section == "memory":
-                    result["memory"] += memory_section(w, clock, args.dry_run, args.out)
+                    result["memory"] += memory_section(w, clock, args.out)
                 elif section == "trainer":
                     result["trainer"] += trainer_section(w, result["precision"], clock)
                 else:
