@@ -668,7 +668,8 @@ def markdown(result: dict[str, Any]) -> str:
              "l layers, d hidden, T mean real tokens per row); loss: mean of the last log interval; within noise: "
              "|loss - fp32's| <= max(2 x |fp32 - fp32 seed 1|, 0.01)", "",
              "| model | mode | steps x micro | samples/s | tokens/s | MFU | first interval s (incl. compile) | graphs "
-             "| fp16 skipped | loss first -> last | vs fp32 | within noise | peak MiB | reserved MiB | frag MiB |",
+             "| fp16 skipped | loss first -> last | vs fp32 | within noise | peak MiB (CPU: RSS) | reserved MiB "
+             "| frag MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["precision"]:
         head = f"| {r['model']} | {r['mode']} |"
@@ -679,7 +680,7 @@ def markdown(result: dict[str, Any]) -> str:
         frag = a.get("fragmentation_bytes")
         lines.append(
             f"{head} {r['steps']} x {r['micro']} | {_f(r['samples_per_s'])} | {_f(r.get('tokens_per_s'))} | "
-            f"{_f(100 * r['mfu'] if r.get('mfu') else None, '.1f')}% | {_f(r['first_interval_s'], '.1f')} | "
+            f"{_f(100 * r['mfu'] if r.get('mfu') else None, '.2f')}% | {_f(r['first_interval_s'], '.1f')} | "
             f"{_f(r['compile_graphs'], 'd')} | {_f(r['fp16_skipped_steps'], 'd')} | "
             f"{r['first_loss']:.4f} -> {r['last_loss']:.4f} | {_f(r.get('loss_delta_vs_fp32'), '+.4f')} | "
             f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('loss_within_noise')] } | {_f(r['peak_memory_mib'])} | "
@@ -703,7 +704,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_f(r.get('expandable_fragmentation_mib'))}"
         )
         lines.append(
-            f"{head} {_f(r.get('planned_mib'))} | {_f(r.get('measured_mib'))}{f' ({_why(r)})' if 'error' in r else ''}"
+            f"{head} {_f(r.get('planned_mib'), ',.1f')} | {_f(r.get('measured_mib'), ',.1f')}"
+            f"{f' ({_why(r)})' if 'error' in r else ''}"
             f" | {_f(r.get('plan_over_measured'), '.3f')} | {YES_NO.get(r.get('within_10pct'), '-')}"
             f" | {_f(r.get('reserved_mib'))} | {_f(r.get('fragmentation_mib'))} | {exp} |"
         )
@@ -812,6 +814,8 @@ def main(argv: list[str] | None = None) -> int:
         "oom": [],
         "skipped": [],
         "wall_s": 0.0,
+        "budget_s": args.budget_s,
+        "argv": sys.argv[1:] if argv is None else argv,
     }
     # measure_cuda builds the planner's 8-bit stand-in, not bitsandbytes: no truth to be had that way
     result["skipped"].append(
