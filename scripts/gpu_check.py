@@ -29,13 +29,15 @@ dense bf16 rate KINDS.md measured on the H200. fp32 rows are measured against th
 Here (this machine: pip reaches PyPI), once, the wheels the GPU machine lacks (pydantic, datasets
 and what they need beyond its image; ~4 MiB):
 
-    .venv/bin/python scripts/gpu_check.py --prepare .gpu_wheels     # .gpu_wheels/ is git-ignored
+    PYTHONPATH=. .venv/bin/python scripts/gpu_check.py --prepare .gpu_wheels   # .gpu_wheels/ is git-ignored
 
-On the lent GPU (the device tool's `run`, carry [".gpu_wheels"], timeout_s 600):
+On the lent GPU: the device tool's `run` with carry [".gpu_wheels"], timeout_s 600, and this command
+(one line there; docs/BENCHMARKS.md "GPU check" has it verbatim):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site
-    .gpu_wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && python3
-    scripts/gpu_check.py --out $OUT 2>&1 | tail -c 20000
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
+    .gpu_wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+    TOKENIZERS_PARALLELISM=false && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    && python3 scripts/gpu_check.py --out $OUT
 
 On a CPU (the suite runs this; same code, tiny shapes, fp16 and the CUDA-only measurements
 recorded as skipped, the OOM injected through finetune/faults.py):
