@@ -61,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -399,11 +399,11 @@ def rung_overrides(w: Workload, index: int) -> tuple[str, list[str], int, int]:
     )
 
 
-def measure_rungs(w: Workload, clock: Clock | None) -> list[dict[str, Any]]:
+def measure_rungs(w: Workload, rungs: Iterable[int], clock: Clock | None) -> list[dict[str, Any]]:
     """Measured peak of each rung's second window: CUDA's allocator, or MemTracker on a CPU."""
     texts, labels = [t for t, _ in w.rows], [y for _, y in w.rows]
     out = []
-    for index in w.shape.rungs:
+    for index in rungs:
         name, overrides, micro, accumulation = rung_overrides(w, index)
         row: dict[str, Any] = {"model": w.shape.name, "rung": name, "micro": micro, "accumulation": accumulation}
         if clock is not None and clock.left() < 5:
@@ -430,11 +430,19 @@ def measure_rungs(w: Workload, clock: Clock | None) -> list[dict[str, Any]]:
 
 
 def memory_section(w: Workload, clock: Clock, out: Path) -> list[dict[str, Any]]:
-    """Plan and measurement per rung; then the same measurements with expandable segments."""
-    rows = measure_rungs(w, clock)
+    """Measurement per rung, the same with expandable segments, then the plan (CPU work, last)."""
+    rows = measure_rungs(w, w.shape.rungs, clock)
+    measured = [i for i, r in zip(w.shape.rungs, rows, strict=True) if "skipped" not in r]
+    others = dict(zip(measured, expandable_rows(w, measured, clock, out), strict=True))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for row, index in zip(rows, w.shape.rungs, strict=True):
         if "skipped" in row:
+            continue
+        for key in ("measured_mib", "reserved_mib", "fragmentation_mib", "error", "skipped"):
+            if key in others[index]:
+                row[f"expandable_{key}"] = others[index][key]
+        if clock.left() < 3:
+            row["plan_error"] = "skipped: time cap of the memory section"
             continue
         _, overrides, micro, accumulation = rung_overrides(w, index)
         cfg = w.config(f"memory-{index}", overrides)
@@ -448,32 +456,28 @@ def memory_section(w: Workload, clock: Clock, out: Path) -> list[dict[str, Any]]
                 row["within_10pct"] = abs(row["plan_over_measured"] - 1) <= 0.10
         except Exception as exc:
             row["plan_error"] = one_line(exc)
-    expandable = expandable_rows(w, clock, out)
-    for row, other in zip(rows, expandable, strict=True):
-        for key in ("measured_mib", "reserved_mib", "fragmentation_mib", "error", "skipped"):
-            if key in other:
-                row[f"expandable_{key}"] = other[key]
     return rows
 
 
-def expandable_rows(w: Workload, clock: Clock, out: Path) -> list[dict[str, Any]]:
-    """The rungs measured again with `expandable_segments:True`, in a child process (the allocator
+def expandable_rows(w: Workload, rungs: list[int], clock: Clock, out: Path) -> list[dict[str, Any]]:
+    """`rungs` measured again with `expandable_segments:True`, in a child process (the allocator
     reads the setting when CUDA initialises)."""
     if not torch.cuda.is_available():
-        return [{"skipped": "CPU: no CUDA allocator"} for _ in w.shape.rungs]
+        return [{"skipped": "CPU: no CUDA allocator"} for _ in rungs]
     left = clock.left()
     if left < 20:
-        return [{"skipped": "time cap of the memory section"} for _ in w.shape.rungs]
+        return [{"skipped": "time cap of the memory section"} for _ in rungs]
     result = out / f"expandable-{w.shape.name}.json"
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    cmd = [sys.executable, __file__, "--memory-child", w.shape.name, str(w.work), str(result)]
+    cmd = [sys.executable, __file__, "--memory-child", w.shape.name, str(w.work), ",".join(map(str, rungs)),
+           str(result)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
     except subprocess.TimeoutExpired:
-        return [{"skipped": "time cap of the memory section (child process)"} for _ in w.shape.rungs]
+        return [{"skipped": "time cap of the memory section (child process)"} for _ in rungs]
     if proc.returncode != 0 or not result.exists():
         err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]
-        return [{"error": f"child process: {err}"} for _ in w.shape.rungs]
+        return [{"error": f"child process: {err}"} for _ in rungs]
     return json.loads(result.read_text())
 
 
@@ -709,7 +713,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{_f(r.get('expandable_fragmentation_mib'))}"
         )
         lines.append(
-            f"{head} {_f(r.get('planned_mib'), ',.1f')} | {_f(r.get('measured_mib'), ',.1f')}"
+            f"{head} {r['plan_error'] if 'plan_error' in r else _f(r.get('planned_mib'), ',.1f')} | "
+            f"{_f(r.get('measured_mib'), ',.1f')}"
             f"{f' ({_why(r)})' if 'error' in r else ''}"
             f" | {_f(r.get('plan_over_measured'), '.3f')} | {YES_NO.get(r.get('within_10pct'), '-')}"
             f" | {_f(r.get('reserved_mib'))} | {_f(r.get('fragmentation_mib'))} | {exp} |"
@@ -778,12 +783,12 @@ def prepare(directory: Path) -> int:
     return proc.returncode
 
 
-def memory_child(name: str, work: Path, result: Path, dry_run: bool) -> int:
-    """`--memory-child`: the ladder's measurements only (run with PYTORCH_CUDA_ALLOC_CONF set)."""
+def memory_child(name: str, work: Path, rungs: list[int], result: Path, dry_run: bool) -> int:
+    """`--memory-child`: measurements of `rungs` only (run with PYTORCH_CUDA_ALLOC_CONF set)."""
     shape = shapes(dry_run)[name]
     rows = [(x.split("\t")[0], int(x.split("\t")[1])) for x in (work / "train.tsv").read_text().splitlines()[1:]]
     w = Workload(shape, work, work / "tokenizer", rows, work / "train.tsv", work / "fixed.tsv")  # the parent's files
-    result.write_text(json.dumps(measure_rungs(w, None)))
+    result.write_text(json.dumps(finite(measure_rungs(w, rungs, None)), allow_nan=False))
     return 0
 
 
@@ -795,20 +800,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", nargs="+", default=["precision", "memory", "trainer", "oom"])
     parser.add_argument("--budget-s", type=float, default=450.0, help="the whole run's cap (sections share it)")
     parser.add_argument("--prepare", type=Path, metavar="DIR", help="download the GPU machine's missing wheels")
-    parser.add_argument("--memory-child", nargs=3, metavar=("MODEL", "WORK", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", nargs=4, metavar=("MODEL", "WORK", "RUNGS", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.prepare:
         return prepare(args.prepare)
     if args.memory_child:
-        return memory_child(args.memory_child[0], Path(args.memory_child[1]), Path(args.memory_child[2]), args.dry_run)
+        name, work, rungs, result = args.memory_child
+        return memory_child(name, Path(work), [int(i) for i in rungs.split(",")], Path(result), args.dry_run)
     if not torch.cuda.is_available() and not args.dry_run:
         print("error: no CUDA device; --dry-run runs the same code on the CPU with tiny shapes", file=sys.stderr)
         return 2
     clock = Clock(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
     # share of the budget per (section, model): the precision runs carry the speed numbers
-    caps = {("precision", "minilm"): 0.3, ("precision", "qwen2.5-0.5b"): 0.2, ("memory", "minilm"): 0.13,
-            ("memory", "qwen2.5-0.5b"): 0.12, ("trainer", "minilm"): 0.1, ("oom", "minilm"): 0.1}  # fmt: skip
+    caps = {("precision", "minilm"): 0.3, ("precision", "qwen2.5-0.5b"): 0.2, ("memory", "minilm"): 0.16,
+            ("memory", "qwen2.5-0.5b"): 0.1, ("trainer", "minilm"): 0.08, ("oom", "minilm"): 0.1}  # fmt: skip
     result: dict[str, Any] = {
         "dry_run": args.dry_run,
         "environment": environment(),

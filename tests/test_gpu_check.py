@@ -104,3 +104,13 @@ def test_steady_rate_leaves_the_first_interval_out() -> None:
     rate, first = gpu_check.steady_rate(rows, per_step=4)
     assert first == pytest.approx(8.0)  # 2 steps x 4 samples at 1 sample/s
     assert rate == pytest.approx((8 + 4) / (1.0 + 2.0))  # 8 samples in 1 s, then 4 in 2 s
+
+
+def test_memory_child_measures_the_rungs_it_is_given(tmp_path: Path) -> None:
+    """The expandable-segments child (a subprocess on a GPU) reads the parent's files and writes its rows."""
+    gpu_check = load_script()
+    w = gpu_check.workload(gpu_check.shapes(True)["minilm"], tmp_path / "minilm")
+    result = tmp_path / "child.json"
+    assert gpu_check.main(["--dry-run", "--memory-child", "minilm", str(w.work), "0", str(result)]) == 0
+    (row,) = json.loads(result.read_text())
+    assert row["rung"] == "fp32, micro 32" and positive(row["measured_mib"]) and "error" not in row
