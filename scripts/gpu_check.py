@@ -56,6 +56,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -286,14 +287,17 @@ def flops_per_token(cfg: Config, tokenizer: Any, mean_tokens: float) -> float:
     return 6 * linear_weights(cfg, tokenizer) + 12 * arch["num_hidden_layers"] * arch["hidden_size"] * mean_tokens
 
 
-def steady_rate(rows: list[dict[str, Any]], per_step: int) -> tuple[float | None, float]:
-    """(samples/s over the log intervals after the first, the first interval's seconds)."""
+def steady_rate(
+    rows: list[dict[str, Any]], per_step: int, leave_out: frozenset[int] = frozenset()
+) -> tuple[float | None, float]:
+    """(samples/s over the log intervals after the first, the first interval's seconds); intervals
+    holding a step of `leave_out` are left out too."""
     prev, spans = 0, []
     for r in rows:
         samples = (r["step"] - prev) * per_step
-        spans.append((samples, samples / max(r["samples_per_s"], 1e-12)))
+        spans.append((samples, samples / max(r["samples_per_s"], 1e-12), any(prev < s <= r["step"] for s in leave_out)))
         prev = r["step"]
-    steady = spans[1:]
+    steady = [(s, t) for s, t, out in spans[1:] if not out]
     rate = sum(s for s, _ in steady) / sum(t for _, t in steady) if steady else None
     return rate, spans[0][1] if spans else math.nan
 
@@ -325,12 +329,17 @@ def train_row(w: Workload, name: str, overrides: list[str]) -> dict[str, Any]:
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "samples_per_s" in r]
     per_step = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
-    rate, first = steady_rate(train_rows, per_step)
     report = json.loads((run / "memory.json").read_text())
+    # the steps whose window MemTracker sampled for the memory report (a compiled run samples none)
+    tracked = {int(m) for m in re.findall(r"optimizer step (\d+)", report.get("breakdown_method") or "")}
+    tracked |= {int((report.get("other_sample") or {}).get("step") or 0)} - {0}
+    rate, first = steady_rate(train_rows, per_step)
+    untracked, _ = steady_rate(train_rows, per_step, frozenset(tracked))
     shutil.rmtree(run / "final", ignore_errors=True)  # a Qwen-sized export is 2 GB of the machine's disk
     cuda = {k: v for k, v in (report.get("cuda") or {}).items() if k != "memory_summary"}
     return {
         "wall_s": wall, "steps": train_rows[-1]["step"], "samples_per_s": rate, "first_interval_s": first,
+        "memtracker_steps": sorted(tracked), "samples_per_s_untracked": untracked,
         "first_loss": train_rows[0]["loss"], "last_loss": train_rows[-1]["loss"],
         "compile_graphs": train_rows[-1].get("compile_graphs"),
         "recompile_limit_hits": train_rows[-1].get("compile_recompile_limit_hits", 0),
@@ -360,7 +369,9 @@ def precision_section(
         else:
             try:
                 row.update(train_row(w, f"precision-{mode.replace(' ', '-')}", mode_overrides(mode, dry_run)))
-                sps = row["samples_per_s"]
+                # speed without the memory report's MemTracker windows (a compiled run has none): the
+                # modes compare alike; samples_per_s keeps them, as a user's run pays them
+                sps = row["samples_per_s_untracked"]
                 row["tokens_per_s"] = sps * mean_tokens if sps else None
                 row["mfu"] = sps * mean_tokens * fpt / PEAK_BF16_FLOPS if sps else None
             except Exception as exc:  # one mode failing (a UserError included) must not cost the others
@@ -675,7 +686,10 @@ def markdown(result: dict[str, Any]) -> str:
              f"MFU = tokens/s x (6 N + 12 l d T) / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (N: nn.Linear weights, "
              "l layers, d hidden, T mean real tokens per row); loss: mean of the last log interval; within noise: "
              "|loss - fp32's| <= max(2 x |fp32 - fp32 seed 1|, 0.01) (0.01 where no second fp32 seed ran)", "",
-             "| model | mode | steps x micro | samples/s | tokens/s | MFU | first interval s (incl. compile) | graphs "
+             "samples/s: the log intervals after the first (untracked: without those holding the memory report's "
+             "MemTracker windows, whose steps are named; tokens/s and MFU use it)", "",
+             "| model | mode | steps x micro | samples/s (untracked; MemTracker steps) | tokens/s | MFU "
+             "| first interval s (incl. compile) | graphs "
              "| fp16 skipped | loss first -> last | vs fp32 | within noise | peak MiB (CPU: RSS) | reserved MiB "
              "| frag MiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -687,7 +701,8 @@ def markdown(result: dict[str, Any]) -> str:
         a = r.get("allocator") or {}
         frag = a.get("fragmentation_bytes")
         lines.append(
-            f"{head} {r['steps']} x {r['micro']} | {_f(r['samples_per_s'])} | {_f(r.get('tokens_per_s'))} | "
+            f"{head} {r['steps']} x {r['micro']} | {_f(r['samples_per_s'])} ({_f(r['samples_per_s_untracked'])}; "
+            f"{', '.join(map(str, r['memtracker_steps'])) or 'none'}) | {_f(r.get('tokens_per_s'))} | "
             f"{_f(100 * r['mfu'] if r.get('mfu') else None, '.2f')}% | {_f(r['first_interval_s'], '.1f')} | "
             f"{_f(r['compile_graphs'], 'd')} | {_f(r['fp16_skipped_steps'], 'd')} | "
             f"{r['first_loss']:.4f} -> {r['last_loss']:.4f} | {_f(r.get('loss_delta_vs_fp32'), '+.4f')} | "

@@ -51,7 +51,10 @@ def test_precision_rows_one_per_mode_with_consistent_numbers(dry_run: tuple[dict
             continue
         assert "error" not in r, r
         assert positive(r["samples_per_s"]) and positive(r["first_interval_s"]) and r["steps"] == 4
-        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * r["mean_tokens"])
+        assert positive(r["samples_per_s_untracked"])
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s_untracked"] * r["mean_tokens"])
+        # the memory report samples step 2 (and the heaviest window) under MemTracker, a compiled run none
+        assert (2 in r["memtracker_steps"]) == (r["mode"] != "bf16 compile")
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / gpu_check.PEAK_BF16_FLOPS)
         assert 0 < r["mfu"] < 1
         assert math.isfinite(r["last_loss"]) and isinstance(r["loss_within_noise"], bool)
@@ -104,6 +107,8 @@ def test_steady_rate_leaves_the_first_interval_out() -> None:
     rate, first = gpu_check.steady_rate(rows, per_step=4)
     assert first == pytest.approx(8.0)  # 2 steps x 4 samples at 1 sample/s
     assert rate == pytest.approx((8 + 4) / (1.0 + 2.0))  # 8 samples in 1 s, then 4 in 2 s
+    assert gpu_check.steady_rate(rows, 4, frozenset({5}))[0] == pytest.approx(8.0)  # step 5's interval left out
+    assert gpu_check.steady_rate(rows, 4, frozenset({3, 5}))[0] is None
 
 
 def test_memory_child_measures_the_rungs_it_is_given(tmp_path: Path) -> None:
