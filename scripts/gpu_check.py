@@ -611,7 +611,10 @@ def memory_cap(w: Workload, micro: int) -> Iterator[dict[str, Any]]:
         try:
             yield info
         finally:
-            os.environ.pop(faults.ENV) if old is None else os.environ.__setitem__(faults.ENV, old)
+            if old is None:
+                del os.environ[faults.ENV]
+            else:
+                os.environ[faults.ENV] = old
         return
     cfg = w.config("oom-plan", ["precision.mode=bf16"])
     tok = build_tokenizer(cfg)
