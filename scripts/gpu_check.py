@@ -690,24 +690,25 @@ def _why(r: dict[str, Any]) -> str | None:
     return f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}" if "error" in r else None
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The tables docs/BENCHMARKS.md (precision, Trainer, OOM) and docs/MEMORY.md (ladder) take."""
-    env = result["environment"]
-    lines = [f"{env['device']}; torch {env['torch']}, transformers {env['transformers']}, accelerate "
-             f"{env['accelerate']}; {'DRY RUN on CPU, tiny shapes: plumbing' if result['dry_run'] else 'GPU run'}; "
-             f"{result['wall_s']:.0f} s in all", "",
-             "### Precision (`finetune.train.train`, random weights, synthetic rows)", "",
-             f"MFU = tokens/s x (6 N + 12 l d T) / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (N: nn.Linear weights, "
-             "l layers, d hidden, T mean real tokens per row); loss: mean of the last log interval; within noise: "
-             "|loss - fp32's| <= max(2 x |fp32 - fp32 seed 1|, 0.01) (0.01 where no second fp32 seed ran)", "",
-             "samples/s: the log intervals after the first (untracked: without those holding the memory report's "
-             "MemTracker windows, whose steps are named; tokens/s and MFU use it)", "",
-             "| model | mode | steps x micro | samples/s (untracked; MemTracker steps) | tokens/s | MFU "
-             "| first interval s (incl. compile) | graphs "
-             "| fp16 skipped | loss first -> last | vs fp32 | within noise | peak MiB (CPU: RSS) | reserved MiB "
-             "| peak reserved - peak allocated MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in result["precision"]:
+def precision_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One row per (model, mode)."""
+    lines = [
+        "### Precision (`finetune.train.train`, random weights, synthetic rows)",
+        "",
+        f"MFU = tokens/s x (6 N + 12 l d T) / {PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s (N: nn.Linear weights, "
+        "l layers, d hidden, T mean real tokens per row); loss: mean of the last log interval; within noise: "
+        "|loss - fp32's| <= max(2 x |fp32 - fp32 seed 1|, 0.01) (0.01 where no second fp32 seed ran)",
+        "",
+        "samples/s: the log intervals after the first (untracked: without those holding the memory report's "
+        "MemTracker windows, whose steps are named; tokens/s and MFU use it)",
+        "",
+        "| model | mode | steps x micro | samples/s (untracked; MemTracker steps) | tokens/s | MFU "
+        "| first interval s (incl. compile) | graphs "
+        "| fp16 skipped | loss first -> last | vs fp32 | within noise | peak MiB (CPU: RSS) | reserved MiB "
+        "| peak reserved - peak allocated MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
         head = f"| {r['model']} | {r['mode']} |"
         if _why(r):
             lines.append(f"{head} {_why(r)} |" + " |" * 13)
@@ -725,7 +726,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"{ {True: 'yes', False: 'NO', None: '-'}[r.get('loss_within_noise')] } | {_f(r['peak_memory_mib'])} | "
             f"{_f(a['peak_reserved_bytes'] / MiB if a else None)} | {_f(frag / MiB if frag is not None else None)} |"
         )
-    lines += [
+    return lines
+
+
+def memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One row per rung: plan, allocator, expandable segments."""
+    lines = [
         "",
         "### Memory: the plan against the allocator (second window, worst case max_length tokens per row)",
         "",
@@ -733,7 +739,7 @@ def markdown(result: dict[str, Any]) -> str:
         "| reserved MiB | frag MiB | expandable: measured / reserved / frag MiB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["memory"]:
+    for r in rows:
         head = f"| {r['model']} | {r['rung']} | {r['micro']} x {r['accumulation']} |"
         if "skipped" in r:
             lines.append(f"{head} {_why(r)} |" + " |" * 6)
@@ -749,7 +755,12 @@ def markdown(result: dict[str, Any]) -> str:
             f" | {_f(r.get('plan_over_measured'), '.3f')} | {YES_NO.get(r.get('within_10pct'), '-')}"
             f" | {_f(r.get('reserved_mib'))} | {_f(r.get('fragmentation_mib'))} | {exp} |"
         )
-    lines += [
+    return lines
+
+
+def trainer_table(rows: list[dict[str, Any]]) -> list[str]:
+    """finetune's bf16 run next to Trainer's."""
+    lines = [
         "",
         "### Side by side with transformers.Trainer (same model, rows, steps, precision)",
         "",
@@ -757,14 +768,19 @@ def markdown(result: dict[str, Any]) -> str:
         "/ this |",
         "|---|---|---|---|---|---|",
     ]
-    for r in result["trainer"]:
+    for r in rows:
         untracked = f" ({_f(r['samples_per_s_untracked'])})" if "samples_per_s_untracked" in r else ""
         lines.append(
             f"| {r['model']} | {r['precision']} | {r['contestant']} | {_why(r) or _f(r.get('samples_per_s'))}"
             f"{untracked} | {_f(r.get('finetune_over_this'), '.2f')} | "
             f"{_f(r.get('finetune_untracked_over_this'), '.2f')} |"
         )
-    lines += [
+    return lines
+
+
+def oom_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The out-of-memory backoff of both."""
+    lines = [
         "",
         "### Out-of-memory backoff at a micro-batch that does not fit",
         "",
@@ -772,7 +788,7 @@ def markdown(result: dict[str, Any]) -> str:
         "| kept |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in result["oom"]:
+    for r in rows:
         if _why(r) and "contestant" not in r:
             lines.append(f"| {r['model']} | {_why(r)} |" + " |" * 6)
             continue
@@ -782,6 +798,20 @@ def markdown(result: dict[str, Any]) -> str:
             f"{r['effective_before']} -> {r.get('effective_after', '-')} | "
             f"{ {True: 'yes', False: 'no', None: '-'}[r.get('effective_batch_kept')] } |"
         )
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables docs/BENCHMARKS.md (precision, Trainer, OOM) and docs/MEMORY.md (ladder) take."""
+    env = result["environment"]
+    kind = "DRY RUN on CPU, tiny shapes: plumbing" if result["dry_run"] else "GPU run"
+    lines = [
+        f"{env['device']}; torch {env['torch']}, transformers {env['transformers']}, accelerate "
+        f"{env['accelerate']}; {kind}; {result['wall_s']:.0f} s in all",
+        "",
+    ]
+    lines += precision_table(result["precision"]) + memory_table(result["memory"])
+    lines += trainer_table(result["trainer"]) + oom_table(result["oom"])
     if result["skipped"]:
         lines += ["", "Not run: " + "; ".join(result["skipped"])]
     return "\n".join(lines) + "\n"
@@ -831,7 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: the same code as a plumbing check")
     parser.add_argument("--models", nargs="+", default=None, help="minilm, qwen2.5-0.5b (default both)")
     parser.add_argument("--sections", nargs="+", default=["precision", "memory", "trainer", "oom"])
-    parser.add_argument("--budget-s", type=float, default=400.0, help="the whole run's cap (sections share it)")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="the whole run's cap, sections share it (GPU: 400; dry run: none)"
+    )
     parser.add_argument("--prepare", type=Path, metavar="DIR", help="download the GPU machine's missing wheels")
     parser.add_argument("--memory-child", nargs=4, metavar=("MODEL", "WORK", "RUNGS", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -843,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.dry_run:
         print("error: no CUDA device; --dry-run runs the same code on the CPU with tiny shapes", file=sys.stderr)
         return 2
+    # the dry run is the suite's check of every row: a busy CPU must slow it, not thin it out
+    args.budget_s = args.budget_s or (math.inf if args.dry_run else 400.0)
     clock = Clock(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
     # share of the budget per (section, model): the precision runs carry the speed numbers
