@@ -690,6 +690,11 @@ def _why(r: dict[str, Any]) -> str | None:
     return f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r['error']}" if "error" in r else None
 
 
+def table_head(title: str, columns: list[str]) -> list[str]:
+    """A markdown section title and the header of its table."""
+    return ["", f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def precision_table(rows: list[dict[str, Any]]) -> list[str]:
     """One row per (model, mode)."""
     lines = [
@@ -731,14 +736,11 @@ def precision_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def memory_table(rows: list[dict[str, Any]]) -> list[str]:
     """One row per rung: plan, allocator, expandable segments."""
-    lines = [
-        "",
-        "### Memory: the plan against the allocator (second window, worst case max_length tokens per row)",
-        "",
-        "| model | rung | micro x accum | plan MiB | measured MiB | plan / measured | within 10% "
-        "| reserved MiB | frag MiB | expandable: measured / reserved / frag MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "Memory: the plan against the allocator (second window, worst case max_length tokens per row)",
+        ["model", "rung", "micro x accum", "plan MiB", "measured MiB", "plan / measured", "within 10%",
+         "reserved MiB", "frag MiB", "expandable: measured / reserved / frag MiB"],
+    )  # fmt: skip
     for r in rows:
         head = f"| {r['model']} | {r['rung']} | {r['micro']} x {r['accumulation']} |"
         if "skipped" in r:
@@ -760,14 +762,11 @@ def memory_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def trainer_table(rows: list[dict[str, Any]]) -> list[str]:
     """finetune's bf16 run next to Trainer's."""
-    lines = [
-        "",
-        "### Side by side with transformers.Trainer (same model, rows, steps, precision)",
-        "",
-        "| model | precision | contestant | samples/s (finetune: untracked) | finetune / this | finetune untracked "
-        "/ this |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "Side by side with transformers.Trainer (same model, rows, steps, precision)",
+        ["model", "precision", "contestant", "samples/s (finetune: untracked)", "finetune / this",
+         "finetune untracked / this"],
+    )  # fmt: skip
     for r in rows:
         untracked = f" ({_f(r['samples_per_s_untracked'])})" if "samples_per_s_untracked" in r else ""
         lines.append(
@@ -780,14 +779,11 @@ def trainer_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def oom_table(rows: list[dict[str, Any]]) -> list[str]:
     """The out-of-memory backoff of both."""
-    lines = [
-        "",
-        "### Out-of-memory backoff at a micro-batch that does not fit",
-        "",
-        "| model | contestant | cap | micro asked | after | accumulation after | effective batch before -> after "
-        "| kept |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = table_head(
+        "Out-of-memory backoff at a micro-batch that does not fit",
+        ["model", "contestant", "cap", "micro asked", "after", "accumulation after",
+         "effective batch before -> after", "kept"],
+    )  # fmt: skip
     for r in rows:
         if _why(r) and "contestant" not in r:
             lines.append(f"| {r['model']} | {_why(r)} |" + " |" * 6)
