@@ -34,6 +34,9 @@ RECORDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 PAIR_NAMES = (("premise", "hypothesis"), ("sentence", "hypothesis"), ("text", "hypothesis"), ("question", "answer"),
               ("question", "sentence"), ("question", "passage"), ("query", "passage"), ("query", "document"),
               ("claim", "evidence"))  # fmt: skip
+# names a header line gives its columns (letters only: sentence1 -> sentence)
+COLUMN_NAMES = {*LABEL_NAMES, *(n for p in PAIR_NAMES for n in p), "text", "tweet", "review", "comment", "content",
+                "body", "title", "document", "id", "index", "tags", "labels", "emotions", "topic"}  # fmt: skip
 DELIMITERS = (",", ";", "|")  # how multi-label cells join their labels
 FLAGS = {"0", "1", "0.0", "1.0", "true", "false"}  # the values of a 0/1 column, as data.py reads them
 
@@ -139,7 +142,10 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
         else consistent[-1]
     rows = [r for r in parsed[quoting] if r]
     first = rows[0]
-    header = len(rows) > 1 and csv.Sniffer().has_header(text[:20000])
+    # csv.Sniffer guesses from types and lengths, and misses a header over text columns alone
+    # ("text<TAB>labels" above "a sentence<TAB>joy|anger"): a usual column name is a header too
+    named = any(re.sub(r"[^a-z]", "", c.lower()) in COLUMN_NAMES for c in first)
+    header = len(rows) > 1 and (named or csv.Sniffer().has_header(text[:20000]))
     # a header names columns: short, non-empty cells that do not come back as values further down
     later = [set(r[i] for r in rows[1:2000] if len(r) > i) for i in range(len(first))]
     if header and any(not c.strip() or len(c) > 40 or c in later[i] for i, c in enumerate(first)):
@@ -301,13 +307,15 @@ def _overlap(first: list[str], second: list[str]) -> float:
     return statistics.fmean(shares) if shares else 0.0
 
 
-def _pair(cols: dict[str, list[Any]], texts: list[str]) -> tuple[str, str, str] | None:
+def _pair(cols: dict[str, list[Any]], texts: list[str], header: bool) -> tuple[str, str, str] | None:
     """(first, second, why) when two text columns are a sentence pair: by name (numbered, or a known
-    first/second such as premise/hypothesis), else by content (texts of similar length that share
-    words row by row far more than with other rows' texts)."""
+    first/second such as premise/hypothesis; not the column0, column1, ... init gives a file without a
+    header), else by content (texts of similar length that share words row by row far more than with
+    other rows' texts)."""
     longest = max((_mean_len(cols[c]) for c in texts), default=0.0)
     named = []
-    for i, a in enumerate(texts):  # `texts` is in file order: the first of a numbered pair comes first
+    # `texts` is in file order: the first of a numbered pair comes first
+    for i, a in enumerate(texts if header else []):
         for b in texts[i + 1:]:
             na, nb = _normal_name(a), _normal_name(b)
             if _numbered(a, b):
@@ -342,7 +350,7 @@ def _choose_texts(s: Sniffed, cols: dict[str, list[Any]], labels: list[str]) -> 
     if not texts:
         raise UserError(f"{s.path}: cannot tell the text column among {list(cols)}; write the config by hand "
                         "(data.text_column, data.label_column)")  # fmt: skip
-    pair = _pair(cols, texts)
+    pair = _pair(cols, texts, s.settings.get("header", True))
     if pair is not None:
         first, second, why = pair
         chosen = {"text_column": first, "text_pair_column": second}
