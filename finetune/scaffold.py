@@ -281,8 +281,14 @@ def _label_parts(values: list[Any], delimiter: str | None = None) -> set[str]:
 
 
 def _flag_columns(cols: dict[str, list[Any]]) -> list[str]:
-    """Columns holding only 0/1 (or true/false): one column per label, when there are several."""
-    return [c for c, v in cols.items() if v and all(str(x).strip().lower() in FLAGS for x in v)]
+    """Columns holding only 0/1 (or true/false), not 1 in every row (nothing to learn, and data.py refuses
+    it): one column per label, when there are several."""
+    found = []
+    for c, v in cols.items():
+        flags = {str(x).strip().lower() for x in v}
+        if flags and flags <= FLAGS and not flags <= {"1", "1.0", "true"}:
+            found.append(c)
+    return found
 
 
 def _normal_name(name: str) -> str:
@@ -384,10 +390,12 @@ def _label_kind(s: Sniffed, label: str) -> dict[str, Any]:
             s.notes.append(f"labels: column {label!r} holds {len(distinct)} distinct numbers from {min(numbers):g} "
                            f"to {max(numbers):g}, not all whole: a score, regression (one output, MSE)")  # fmt: skip
             return {"label_column": label, "problem_type": REGRESSION}
-        hint = " (whole numbers; for a score set model.problem_type=regression)" if len(distinct) > 2 else ""
-        s.notes.append(f"labels: column {label!r}, {len(distinct)} classes{hint}; change data.label_column")
+        hint = " (whole numbers: classes; for a score set model.problem_type=regression)" if len(distinct) > 2 else ""
+        s.notes.append(f"labels: column {label!r}, {len(distinct)} classes{hint}, one per text: single-label; "
+                       "change data.label_column")  # fmt: skip
         return {"label_column": label}
-    s.notes.append(f"labels: column {label!r}, {len(distinct)} classes; change data.label_column")
+    s.notes.append(f"labels: column {label!r}, {len(distinct)} classes, one per text: single-label; "
+                   "change data.label_column")
     return {"label_column": label}
 
 
@@ -409,6 +417,9 @@ def choose_columns(s: Sniffed) -> dict[str, Any]:
         s.notes.append(f"labels: {len(flags)} columns hold only 0/1, one per label {flags[:12]}"
                        f"{' ...' if len(flags) > 12 else ''}: multi-label, {per_text:.1f} labels per text "
                        "(data.label_columns)")  # fmt: skip
+        ones = [c for c, v in cols.items() if v and {str(x).strip().lower() for x in v} <= {"1", "1.0", "true"}]
+        if ones:
+            s.notes.append(f"left out: column(s) {ones} hold 1 in every row (nothing to learn)")
         return chosen | {"label_columns": flags, "problem_type": MULTI}
     if label is None:  # labels: few distinct values (or few distinct parts of joined values)
         few = [c for c in cols if 2 <= len(_label_parts(cols[c], _delimiter(cols[c]))) <= max(2, min(200, n // 5))]

@@ -88,11 +88,12 @@ def _sentence(rng: random.Random, n: int) -> str:
 
 
 def _flags(tmp_path: Path, rng: random.Random) -> Path:
-    # SemEval-2018 E-c: tab-separated .txt, CRLF, an ID column, one 0/1 column per emotion
-    rows = ["ID\tTweet\tanger\tanticipation\tdisgust\tjoy"]
+    # SemEval-2018 E-c: tab-separated .txt, CRLF, an ID column, one 0/1 column per emotion; and a column
+    # of 1s (no label: nothing to learn from it, and data.py refuses a label in every row)
+    rows = ["ID\tTweet\tanger\tanticipation\tdisgust\tjoy\tchecked"]
     for i in range(40):
         flags = [(i + k) % (k + 2) == 0 for k in range(4)]  # every label in some rows, absent from others
-        rows.append(f"2018-En-{i:05d}\t{_sentence(rng, 12)}\t" + "\t".join(str(int(f)) for f in flags))
+        rows.append(f"2018-En-{i:05d}\t{_sentence(rng, 12)}\t" + "\t".join(str(int(f)) for f in flags) + "\t1")
     path = tmp_path / "2018-E-c-En-train.txt"
     path.write_bytes(("\r\n".join(rows) + "\r\n").encode())
     return path
@@ -168,6 +169,8 @@ LAYOUTS = {
     "flags": (_flags, "multi_label_classification",
               {"label_columns": ["anger", "anticipation", "disgust", "joy"], "text_column": "Tweet", "format": "tsv"},
               ["anger", "anticipation", "disgust", "joy"], "4 columns hold only 0/1"),
+    "flags_left_out": (_flags, "multi_label_classification", {"text_column": "Tweet"},
+                       ["anger", "anticipation", "disgust", "joy"], "['checked'] hold 1 in every row"),
     "score": (_score, "regression", {"label_column": "label"}, ["label"], "not all whole: a score, regression"),
     "joined": (_joined, "multi_label_classification", {"label_delimiter": "|", "label_column": "labels"},
                ["anger", "fear", "joy", "love"], "joined by '|'"),
