@@ -263,7 +263,7 @@ def _delimiter(values: list[Any]) -> str | None:
     if any(isinstance(v, list) for v in values):
         return "list"
     texts = [str(v).strip() for v in values]
-    if texts and all(t.startswith("[") and t.endswith("]") for t in texts) and all(map(_json_list, texts[:2000])):
+    if texts and all(t.startswith("[") and t.endswith("]") for t in texts) and all(map(_json_list, texts)):
         return "list"
     return next((d for d in DELIMITERS if any(d in t for t in texts)), None)
 
@@ -424,6 +424,9 @@ def choose_columns(s: Sniffed) -> dict[str, Any]:
     if label is None:  # labels: few distinct values (or few distinct parts of joined values)
         few = [c for c in cols if 2 <= len(_label_parts(cols[c], _delimiter(cols[c]))) <= max(2, min(200, n // 5))]
         label = min(few, key=lambda c: _mean_len(cols[c]), default=None)
+    if label is None:  # else the one column of real numbers (a score under a name of its own)
+        reals = [c for c, v in cols.items() if all(map(_is_number, v)) and any(not float(x).is_integer() for x in v)]
+        label = reals[0] if len(reals) == 1 else None
     if label is None:
         texts = [c for c in cols if not all(_is_number(v) for v in cols[c][:200])]
         raise UserError(f"{s.path}: cannot tell the {'label' if texts else 'text'} column among {list(cols)}; "
@@ -620,7 +623,8 @@ def sniff_data(data_path: Path) -> tuple[Sniffed, dict[str, Any], dict[str, Path
     data |= chosen
     if "label_column" in chosen:
         values = s.columns[chosen["label_column"]]
-        names = _names_file(folder, _label_parts(values, _delimiter(values) if "problem_type" in chosen else None))
+        names = _names_file(folder, _label_parts(values, _delimiter(values) if chosen.get("problem_type") == MULTI
+                                                 else None))  # fmt: skip
         if names is not None:
             data["labels_file"] = str(names)
             s.notes.append(f"label names: {names.name} (line number = label id)")

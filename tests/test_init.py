@@ -105,6 +105,14 @@ def _score(tmp_path: Path, rng: random.Random) -> Path:
     return path
 
 
+def _toxicity(tmp_path: Path, rng: random.Random) -> Path:
+    # real numbers under a name init does not know, beside an integer id: the one column of scores
+    path = tmp_path / "toxicity.csv"
+    rows = "".join(f"{i},{_sentence(rng, 9)},{rng.random():.3f}\n" for i in range(40))
+    path.write_text("id,comment,toxicity\n" + rows)
+    return path
+
+
 def _joined(tmp_path: Path, rng: random.Random) -> Path:
     names = ["joy", "anger", "fear", "love"]
     path = tmp_path / "emotions.tsv"
@@ -172,6 +180,8 @@ LAYOUTS = {
     "flags_left_out": (_flags, "multi_label_classification", {"text_column": "Tweet"},
                        ["anger", "anticipation", "disgust", "joy"], "['checked'] hold 1 in every row"),
     "score": (_score, "regression", {"label_column": "label"}, ["label"], "not all whole: a score, regression"),
+    "toxicity": (_toxicity, "regression", {"label_column": "toxicity", "text_column": "comment"}, ["toxicity"],
+                 "not all whole: a score, regression"),
     "joined": (_joined, "multi_label_classification", {"label_delimiter": "|", "label_column": "labels"},
                ["anger", "fear", "joy", "love"], "joined by '|'"),
     "json_lists": (_json_lists, "multi_label_classification", {"label_delimiter": None, "label_column": "tags"},
