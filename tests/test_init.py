@@ -7,15 +7,16 @@ import json
 import random
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from finetune.cli import main as cli_main
 from finetune.config import load_config
-from finetune.data import MULTI, REGRESSION, SINGLE, load_raw_splits
-from finetune.model import resolve_model_path
-from finetune.scaffold import recipe
+from finetune.data import MULTI, REGRESSION, SINGLE, build_data, load_raw_splits
+from finetune.model import build_tokenizer, resolve_model_path
+from finetune.scaffold import load_config_for_tokenizer, recipe
 from finetune.train import main as train_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,6 +162,17 @@ def _paraphrase(tmp_path: Path, rng: random.Random) -> Path:
     return path
 
 
+def _news(tmp_path: Path, rng: random.Random) -> Path:
+    # a headline and its story share words, but a headline is no second sentence: one text, the longest
+    path = tmp_path / "news.csv"
+    rows = []
+    for i in range(40):
+        story = _sentence(rng, 30)
+        rows.append(f"{i % 4 + 1},{' '.join(story.split()[:6])},{story}\n")
+    path.write_text("".join(rows))
+    return path
+
+
 def _label_files(tmp_path: Path, rng: random.Random) -> Path:
     # rt-polarity: one text per line, one file per label (one of them latin-1), a README beside them
     folder = tmp_path / "rt"
@@ -193,15 +205,22 @@ LAYOUTS = {
     "paraphrase": (_paraphrase, "single_label_classification",
                    {"text_column": "column1", "text_pair_column": "column2", "header": False}, ["0", "1"],
                    "by content"),
+    "news": (_news, "single_label_classification", {"text_column": "column2", "text_pair_column": None}, list("1234"),
+             "not used: text column(s) ['column1']"),
     "label_files": (_label_files, "single_label_classification",
                     {"label_files": {"neg": "rt-polarity.neg", "pos": "rt-polarity.pos"}, "encoding": "latin-1"},
                     ["neg", "pos"], "one text file per label"),
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tokenizer(load_config_for_tokenizer("minilm-l6"))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_init_recognises_each_layout_and_its_config_reads_as_written(
-    layout: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    layout: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], tokenizer: Any
 ) -> None:
     make, problem_type, keys, labels, said = LAYOUTS[layout]
     data = make(tmp_path, random.Random(0))
@@ -215,10 +234,12 @@ def test_init_recognises_each_layout_and_its_config_reads_as_written(
     raw = load_raw_splits(cfg)
     assert raw.label_names == labels
     assert len(raw.train) + len(raw.validation) == (45 if layout == "label_files" else 40)
-    if cfg.data.text_pair_column:
-        assert raw.train["text_pair"][0] != raw.train["text"][0]
     if layout == "label_files":  # the latin-1 file decodes as written, blank lines skipped
         assert any(t.endswith("café") for t in raw.train["text"]) and "" not in raw.train["text"]
+    data = build_data(cfg, tokenizer)  # the whole data path of `finetune train`, tokenized as written
+    seps = data.train["input_ids"][0].count(tokenizer.sep_token_id)
+    assert seps == (2 if cfg.data.text_pair_column else 1)  # a pair is one row of both texts
+    assert max(len(x) for x in data.train["input_ids"]) <= cfg.data.max_length
 
 
 def test_init_flags_config_trains_two_steps(tmp_path: Path) -> None:
