@@ -495,8 +495,9 @@ def sniff_label_files(folder: Path, group: dict[str, Path]) -> Sniffed:
     elif any(p.read_bytes()[:3] == b"\xef\xbb\xbf" for p in group.values()):
         settings["encoding"] = "utf-8-sig"  # a BOM is not text (and utf-8-sig reads files without one too)
     counts = ", ".join(f"{label} {len(v)}" for label, v in texts.items())
-    notes = [f"one text file per label, one text per line (data.label_files): {counts} lines; "
-             f"encoding {settings.get('encoding', 'utf-8')}{' (errors replaced)' if len(encodings) > 1 else ''}"]
+    named = "extensions" if all(p.suffix.lstrip(".") == label for label, p in group.items()) else "names"
+    notes = [f"one text file per label, one text per line (data.label_files; labels: the file {named}): {counts} "
+             f"lines; encoding {settings.get('encoding', 'utf-8')}{' (errors replaced)' if len(encodings) > 1 else ''}"]
     return Sniffed(folder, "label_files", columns, settings, notes)
 
 
