@@ -283,7 +283,7 @@ def _label_parts(values: list[Any], delimiter: str | None = None) -> set[str]:
 def _flag_columns(cols: dict[str, list[Any]]) -> list[str]:
     """Columns holding only 0/1 (or true/false), not 1 in every row (nothing to learn, and data.py refuses
     it): one column per label, when there are several."""
-    found = []
+    found: list[str] = []
     for c, v in cols.items():
         flags = {str(x).strip().lower() for x in v}
         if flags and flags <= FLAGS and not flags <= {"1", "1.0", "true"}:
@@ -319,7 +319,7 @@ def _pair(cols: dict[str, list[Any]], texts: list[str], header: bool) -> tuple[s
     header), else by content (texts of similar length that share words row by row far more than with
     other rows' texts)."""
     longest = max((_mean_len(cols[c]) for c in texts), default=0.0)
-    named = []
+    named: list[tuple[str, str, str]] = []
     # `texts` is in file order: the first of a numbered pair comes first
     for i, a in enumerate(texts if header else []):
         for b in texts[i + 1:]:
@@ -479,7 +479,7 @@ def sniff_label_files(folder: Path, group: dict[str, Path]) -> Sniffed:
         UserError: a label file that is not text (a spreadsheet, an archive, a binary file).
     """
     texts: dict[str, list[str]] = {}
-    encodings = set()
+    encodings: set[str] = set()
     for label, p in group.items():
         check_format(p)
         raw = p.read_bytes()[: 64 << 20]
