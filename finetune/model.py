@@ -96,6 +96,35 @@ def build_tokenizer(cfg: Config) -> Any:
     return tokenizer
 
 
+# families whose position ids start at padding_idx + 1: max_position_embeddings overstates the usable length
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "roberta-prelayernorm")
+
+
+def position_limit(cfg: Config, tokenizer: Any) -> int | None:
+    """The most tokens a row may hold: the model config's max_position_embeddings (less RoBERTa's offset)
+    and the tokenizer's model_max_length, whichever is lower; None when neither says. Reads the config
+    file only (no weights).
+
+    Raises:
+        UserError: the model config cannot be loaded.
+    """
+    m = cfg.model
+    if m.architecture is not None:
+        config: Any = AutoConfig.for_model(**m.architecture)
+    else:
+        assert m.name_or_path is not None
+        config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code)
+    limits: list[int] = []
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        offset = (getattr(config, "pad_token_id", None) or 0) + 1 if config.model_type in OFFSET_POSITIONS else 0
+        limits.append(positions - offset)
+    tok_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_limit, int) and 0 < tok_limit < 1_000_000:  # unset: transformers' VERY_LARGE_INTEGER
+        limits.append(tok_limit)
+    return min(limits, default=None)
+
+
 NEW_PAD_TOKEN = "<|pad|>"
 
 

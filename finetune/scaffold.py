@@ -1,8 +1,11 @@
 """`finetune init DATA`: from a data file or folder to a commented config that trains with no edits.
 
-The file is sniffed as people have it (delimiter, header, quoting, encoding, the folder-per-label
-layout); the text, optional pair and label columns are chosen with the reason said; labels and token
-lengths are counted; max_length, a validation split, the learning rate and the epochs are suggested.
+The file is sniffed as people have it (delimiter, header, quoting, encoding, a folder per label, a
+text file per label); formats it cannot read (spreadsheets, archives, documents) are named, by their
+first bytes and by extension, with what to do instead. The text, optional pair and label columns (one
+label column, or one 0/1 column per label) and the problem type are chosen with the reason said;
+labels and token lengths are counted; max_length (within the model's position limit), a validation
+split and the recipe of the problem type and data size (`recipe`) are suggested.
 """
 
 from __future__ import annotations
@@ -10,18 +13,74 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import statistics
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.config import load_config, validate_config
+from finetune.config import TrainConfig, load_config, validate_config
 from finetune.errors import UserError
-from finetune.model import build_tokenizer
+from finetune.model import build_tokenizer, position_limit
 
+SINGLE, MULTI, REGRESSION = "single_label_classification", "multi_label_classification", "regression"
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "score", "quality", "sentiment", "intent")
-PAIR_HINTS = ("2", "_b", "pair", "hypothesis", "second", "question2")
 SPLIT_WORDS = {"validation": ("dev", "valid", "validation", "val"), "test": ("test",)}
+TABLES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+RECORDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+# a second text named after its first (NLI, QA, retrieval); numbered names (sentence1/sentence2,
+# text_a/text_b, '#1 String'/'#2 String') are recognised by pattern
+PAIR_NAMES = (("premise", "hypothesis"), ("sentence", "hypothesis"), ("text", "hypothesis"), ("question", "answer"),
+              ("question", "sentence"), ("question", "passage"), ("query", "passage"), ("query", "document"),
+              ("claim", "evidence"))  # fmt: skip
+# names a header line gives its columns (letters only: sentence1 -> sentence)
+COLUMN_NAMES = {*LABEL_NAMES, *(n for p in PAIR_NAMES for n in p), "text", "tweet", "review", "comment", "content",
+                "body", "title", "document", "id", "index", "tags", "labels", "emotions", "topic"}  # fmt: skip
+DELIMITERS = (",", ";", "|")  # how multi-label cells join their labels
+FLAGS = {"0", "1", "0.0", "1.0", "true", "false"}  # the values of a 0/1 column, as data.py reads them
+
+# The training recipe per problem type: train.* keys, and the epochs by training rows (the first bound
+# the row count is below). Single-label: what `finetune init` has always written; multi-label and
+# regression anchored on configs/goemotions-minilm.yaml (43,410 rows: 1 epoch) and configs/stsb-minilm.yaml
+# (5,749 rows: 2 epochs, warmup 0.1), other sizes as single-label. Measured recipes replace this table alone.
+RECIPES: dict[str, dict[str, Any]] = {
+    SINGLE: {"learning_rate": 1e-4, "warmup_ratio": 0.06, "epochs": ((1_000, 10), (5_000, 5), (20_000, 3), (None, 2))},
+    MULTI: {"learning_rate": 1e-4, "warmup_ratio": 0.06, "epochs": ((1_000, 10), (5_000, 5), (20_000, 3), (None, 1))},
+    REGRESSION: {"learning_rate": 1e-4, "warmup_ratio": 0.1, "epochs": ((1_000, 10), (5_000, 5), (None, 2))},
+}
+
+_SPREADSHEET = "save it as CSV (Excel or LibreOffice: File > Save As > CSV UTF-8) and run finetune init on the .csv"
+_ARCHIVE = "extract it and run finetune init on the file or folder inside"
+_DOCUMENT = ("put its texts in a csv/tsv file (a text and its label per row) or in a folder per label and run "
+             "finetune init on that")  # fmt: skip
+_BINARY = ("write it out as csv, jsonl or parquet (pandas: df.to_csv('data.csv', index=False)) and run finetune init "
+           "on that")  # fmt: skip
+# a format `finetune init` cannot read, by extension: what it is, what to do instead
+UNSUPPORTED: dict[str, tuple[str, str]] = {
+    "xlsx": ("an Excel workbook", _SPREADSHEET), "xlsm": ("an Excel workbook", _SPREADSHEET),
+    "xls": ("an Excel 97-2003 workbook", _SPREADSHEET), "ods": ("an OpenDocument spreadsheet", _SPREADSHEET),
+    "numbers": ("an Apple Numbers spreadsheet", _SPREADSHEET),
+    "zip": ("a zip archive", _ARCHIVE), "tar": ("a tar archive", _ARCHIVE),
+    "tgz": ("a compressed tar archive", _ARCHIVE),
+    "gz": ("gzip-compressed", "decompress it (gunzip) and run finetune init on the file inside"),
+    "bz2": ("bzip2-compressed", "decompress it (bunzip2) and run finetune init on the file inside"),
+    "xz": ("xz-compressed", "decompress it (unxz) and run finetune init on the file inside"),
+    "zst": ("zstd-compressed", "decompress it (unzstd) and run finetune init on the file inside"),
+    "7z": ("a 7-Zip archive", _ARCHIVE), "rar": ("a RAR archive", _ARCHIVE),
+    "pdf": ("a PDF document", _DOCUMENT), "docx": ("a Word document", _DOCUMENT),
+    "doc": ("a Word 97-2003 document", _DOCUMENT), "odt": ("an OpenDocument text", _DOCUMENT),
+    "rtf": ("an RTF document", _DOCUMENT), "pptx": ("a PowerPoint presentation", _DOCUMENT),
+    "pkl": ("a Python pickle", _BINARY), "pickle": ("a Python pickle", _BINARY), "npy": ("a NumPy array", _BINARY),
+    "npz": ("a NumPy archive", _BINARY), "h5": ("an HDF5 file", _BINARY), "hdf5": ("an HDF5 file", _BINARY),
+    "feather": ("an Arrow/Feather file", _BINARY), "arrow": ("an Arrow/Feather file", _BINARY),
+    "sqlite": ("an SQLite database", _BINARY), "db": ("a database file", _BINARY),
+}  # fmt: skip
+# first bytes -> the format (PK is any zip container: xlsx, ods and docx are told apart by their members)
+MAGIC = ((b"PK\x03\x04", "zip"), (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "xls"), (b"%PDF", "pdf"), (b"\x1f\x8b", "gz"),
+         (b"\xfd7zXZ\x00", "xz"), (b"7z\xbc\xaf\x27\x1c", "7z"), (b"Rar!\x1a\x07", "rar"), (b"\x28\xb5\x2f\xfd", "zst"),
+         (b"SQLite format 3\x00", "sqlite"), (b"ARROW1", "arrow"), (b"\x89HDF", "h5"), (b"\x93NUMPY", "npy"),
+         (b"{\\rtf", "rtf"), (b"PAR1", "parquet"))  # fmt: skip
 
 
 @dataclass
@@ -83,7 +142,10 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
         else consistent[-1]
     rows = [r for r in parsed[quoting] if r]
     first = rows[0]
-    header = len(rows) > 1 and csv.Sniffer().has_header(text[:20000])
+    # csv.Sniffer guesses from types and lengths, and misses a header over text columns alone
+    # ("text<TAB>labels" above "a sentence<TAB>joy|anger"): a usual column name is a header too
+    named = any(re.sub(r"[^a-z]", "", c.lower()) in COLUMN_NAMES for c in first)
+    header = len(rows) > 1 and (named or csv.Sniffer().has_header(text[:20000]))
     # a header names columns: short, non-empty cells that do not come back as values further down
     later = [set(r[i] for r in rows[1:2000] if len(r) > i) for i in range(len(first))]
     if header and any(not c.strip() or len(c) > 40 or c in later[i] for i, c in enumerate(first)):
@@ -104,13 +166,13 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
     return s
 
 
-def sniff_records(path: Path, limit: int = 4000) -> Sniffed:
-    """jsonl/json/parquet: records with named fields.
+def sniff_records(path: Path, fmt: str | None = None, limit: int = 4000) -> Sniffed:
+    """jsonl/json/parquet (by extension, or `fmt`): records with named fields.
 
     Raises:
         UserError: unreadable records, or records that are not objects.
     """
-    suffix = path.suffix.lower()
+    suffix = f".{fmt}" if fmt else path.suffix.lower()
     try:
         if suffix == ".parquet":
             import pyarrow.parquet as pq
@@ -129,6 +191,53 @@ def sniff_records(path: Path, limit: int = 4000) -> Sniffed:
     return Sniffed(path, suffix.lstrip("."), columns, {"format": suffix.lstrip(".")}, [f"read as {suffix} records"])
 
 
+def _zip_kind(path: Path) -> str:
+    """What a zip container holds: an Excel or OpenDocument spreadsheet, a Word document, or files."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            mime = z.read("mimetype").decode(errors="replace") if "mimetype" in names else ""
+    except (zipfile.BadZipFile, OSError, KeyError):
+        return "zip"
+    for prefix, kind in (("xl/", "xlsx"), ("word/", "docx"), ("ppt/", "pptx")):
+        if any(n.startswith(prefix) for n in names):
+            return kind
+    return "ods" if "spreadsheet" in mime else "odt" if "opendocument.text" in mime else "zip"
+
+
+def check_format(path: Path) -> str | None:
+    """Refuse a file `finetune init` cannot read, by its first bytes, then by its extension when it is
+    not text; return "parquet" for a parquet file under another name, else None (read by extension).
+
+    Raises:
+        UserError: a spreadsheet, archive, document, UTF-16 or other binary file, with what to do instead.
+    """
+    with path.open("rb") as f:
+        head = f.read(4096)
+    ext = path.suffix.lower().lstrip(".")
+    kind = next((k for magic, k in MAGIC if head.startswith(magic)), None)
+    if kind is None and re.match(rb"BZh[1-9]1AY&SY", head):
+        kind = "bz2"
+    if kind == "parquet":
+        return "parquet"
+    if kind == "zip":
+        kind = _zip_kind(path)
+    elif kind == "xls" and ext == "doc":  # one container format (OLE2) for all Office 97-2003 files
+        kind = "doc"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UserError(f"{path.name} is UTF-16 text (Excel's \"Unicode Text\"): convert it to UTF-8 (iconv -f "
+                        f"UTF-16 -t UTF-8 {path.name} > data.tsv, or save as CSV UTF-8) and run finetune init on that")
+    if kind is None and b"\x00" in head:  # not text: its name is the only hint left
+        if ext not in UNSUPPORTED:
+            raise UserError(f"{path.name} is a binary file, not text; finetune init reads csv, tsv, txt, jsonl, json "
+                            "and parquet files, a folder per label, or a text file per label")  # fmt: skip
+        kind = ext
+    if kind is not None:
+        what, todo = UNSUPPORTED[kind]
+        raise UserError(f"{path.name} is {what} ({kind}), which finetune init cannot read: {todo}")
+    return None
+
+
 def _mean_len(values: list[Any]) -> float:
     return statistics.fmean(len(str(v)) for v in values) if values else 0.0
 
@@ -141,12 +250,158 @@ def _is_number(v: Any) -> bool:
         return False
 
 
-def _label_parts(values: list[Any]) -> set[str]:
-    return {str(x).strip() for v in values for x in (v if isinstance(v, list) else str(v).split(","))}
+def _json_list(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), list)
+    except ValueError:
+        return False
+
+
+def _delimiter(values: list[Any]) -> str | None:
+    """How a label column joins several labels per cell: "list" (list values or JSON lists, which
+    data.py reads as they are), one of DELIMITERS, or None (one label per cell)."""
+    if any(isinstance(v, list) for v in values):
+        return "list"
+    texts = [str(v).strip() for v in values]
+    if texts and all(t.startswith("[") and t.endswith("]") for t in texts) and all(map(_json_list, texts)):
+        return "list"
+    return next((d for d in DELIMITERS if any(d in t for t in texts)), None)
+
+
+def _label_parts(values: list[Any], delimiter: str | None = None) -> set[str]:
+    """The distinct labels of a column whose cells join them with `delimiter` (see `_delimiter`)."""
+    out: set[str] = set()
+    for v in values:
+        if delimiter == "list":
+            items = v if isinstance(v, list) else json.loads(str(v))
+        else:
+            items = str(v).split(delimiter) if delimiter else [v]
+        out.update(str(x).strip() for x in items if str(x).strip())
+    return out
+
+
+def _flag_columns(cols: dict[str, list[Any]]) -> list[str]:
+    """Columns holding only 0/1 (or true/false), not 1 in every row (nothing to learn, and data.py refuses
+    it): one column per label, when there are several."""
+    found: list[str] = []
+    for c, v in cols.items():
+        flags = {str(x).strip().lower() for x in v}
+        if flags and flags <= FLAGS and not flags <= {"1", "1.0", "true"}:
+            found.append(c)
+    return found
+
+
+def _normal_name(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def _numbered(a: str, b: str) -> bool:
+    """sentence1/sentence2, text_a/text_b, '#1 String'/'#2 String': one character apart, 1/2 or a/b."""
+    a, b = _normal_name(a), _normal_name(b)
+    diff = [(x, y) for x, y in zip(a, b, strict=False) if x != y]
+    return len(a) == len(b) and len(diff) == 1 and diff[0] in (("1", "2"), ("a", "b"))
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
+def _overlap(first: list[str], second: list[str]) -> float:
+    """Mean share of the smaller text's words found in the other text of the row."""
+    pairs = zip(map(_words, first), map(_words, second), strict=True)
+    shares = [len(a & b) / max(1, min(len(a), len(b))) for a, b in pairs]
+    return statistics.fmean(shares) if shares else 0.0
+
+
+def _pair(cols: dict[str, list[Any]], texts: list[str], header: bool) -> tuple[str, str, str] | None:
+    """(first, second, why) when two text columns are a sentence pair: by name (numbered, or a known
+    first/second such as premise/hypothesis; not the column0, column1, ... init gives a file without a
+    header), else by content (texts of similar length that share words row by row far more than with
+    other rows' texts)."""
+    longest = max((_mean_len(cols[c]) for c in texts), default=0.0)
+    named: list[tuple[str, str, str]] = []
+    # `texts` is in file order: the first of a numbered pair comes first
+    for i, a in enumerate(texts if header else []):
+        for b in texts[i + 1:]:
+            na, nb = _normal_name(a), _normal_name(b)
+            if _numbered(a, b):
+                named.append((a, b, "numbered names, as GLUE's sentence1/sentence2"))
+            elif (na, nb) in PAIR_NAMES or (nb, na) in PAIR_NAMES:
+                first, second = (a, b) if (na, nb) in PAIR_NAMES else (b, a)
+                named.append((first, second, f"named {first!r} and {second!r}"))
+    # a numbered pair of short codes (STS-B's source1/source2 beside sentence1/sentence2) is not the text
+    named = [p for p in named if max(_mean_len(cols[p[0]]), _mean_len(cols[p[1]])) >= 0.5 * longest]
+    if named:
+        return max(named, key=lambda p: _mean_len(cols[p[0]]) + _mean_len(cols[p[1]]))
+    two = sorted(sorted(texts, key=lambda c: -_mean_len(cols[c]))[:2], key=texts.index)
+    if len(two) < 2:
+        return None
+    a, b = ([str(x) for x in cols[c][:2000]] for c in two)
+    short, long_ = sorted((_mean_len(a), _mean_len(b)))
+    wordy = all(statistics.median(len(x.split()) for x in v) >= 3 for v in (a, b))
+    same, other = _overlap(a, b), _overlap(a, b[len(b) // 2:] + b[: len(b) // 2])
+    if wordy and short >= 0.5 * long_ and same >= 0.3 and same >= 1.5 * other:
+        return two[0], two[1], f"by content: texts of similar length sharing {same:.0%} of their words row by row " \
+                               f"({other:.0%} with other rows)"  # fmt: skip
+    return None
+
+
+def _choose_texts(s: Sniffed, cols: dict[str, list[Any]], labels: list[str]) -> dict[str, Any]:
+    """The text column (the longest texts) or a text pair, said in `s.notes`.
+
+    Raises:
+        UserError: no column of text.
+    """
+    texts = [c for c in cols if c not in labels and not all(_is_number(v) for v in cols[c][:200])]
+    if not texts:
+        raise UserError(f"{s.path}: cannot tell the text column among {list(cols)}; write the config by hand "
+                        "(data.text_column, data.label_column)")  # fmt: skip
+    pair = _pair(cols, texts, s.settings.get("header", True))
+    if pair is not None:
+        first, second, why = pair
+        chosen = {"text_column": first, "text_pair_column": second}
+        s.notes.append(f"texts: columns {first!r} and {second!r} as a sentence pair ({why}): the model reads both "
+                       "in one row; remove data.text_pair_column to use one text")  # fmt: skip
+    else:
+        chosen = {"text_column": max(texts, key=lambda c: _mean_len(cols[c]))}
+        s.notes.append(f"text: column {chosen['text_column']!r} (the longest texts, "
+                       f"{_mean_len(cols[chosen['text_column']]):.0f} characters on average); change data.text_column")
+    unused = [c for c in texts if c not in chosen.values()]
+    if unused:
+        s.notes.append(f"not used: text column(s) {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    return chosen
+
+
+def _label_kind(s: Sniffed, label: str) -> dict[str, Any]:
+    """The problem type a label column says, and why: several labels per cell (multi-label), real
+    numbers (regression), else classes."""
+    values = s.columns[label]
+    delimiter = _delimiter(values)
+    parts = _label_parts(values, delimiter) if delimiter else set()
+    if delimiter and len(parts) <= 200 and _mean_len(list(parts)) < 40:
+        how = "lists" if delimiter == "list" else f"labels joined by {delimiter!r}"
+        s.notes.append(f"labels: column {label!r} holds {how}, {len(parts)} labels: several per text, multi-label")
+        return {"label_column": label, "problem_type": MULTI} | ({} if delimiter == "list" else
+                                                                 {"label_delimiter": delimiter})  # fmt: skip
+    distinct = set(map(str, values))
+    if all(_is_number(v) for v in values):
+        numbers = [float(v) for v in values]
+        if any(not x.is_integer() for x in numbers):
+            s.notes.append(f"labels: column {label!r} holds {len(distinct)} distinct numbers from {min(numbers):g} "
+                           f"to {max(numbers):g}, not all whole: a score, regression (one output, MSE)")  # fmt: skip
+            return {"label_column": label, "problem_type": REGRESSION}
+        hint = " (whole numbers: classes; for a score set model.problem_type=regression)" if len(distinct) > 2 else ""
+        s.notes.append(f"labels: column {label!r}, {len(distinct)} classes{hint}, one per text: single-label; "
+                       "change data.label_column")  # fmt: skip
+        return {"label_column": label}
+    s.notes.append(f"labels: column {label!r}, {len(distinct)} classes, one per text: single-label; "
+                   "change data.label_column")
+    return {"label_column": label}
 
 
 def choose_columns(s: Sniffed) -> dict[str, Any]:
-    """The text, pair and label columns and the problem type, with the reasons in `s.notes`.
+    """The text, pair and label columns (or one 0/1 column per label) and the problem type, with the
+    reasons in `s.notes`.
 
     Raises:
         UserError: no column to learn from, or no label column, naming the candidates.
@@ -154,38 +409,34 @@ def choose_columns(s: Sniffed) -> dict[str, Any]:
     cols = s.columns
     n = len(next(iter(cols.values())))
     label = next((c for c in cols if c.strip().lower().lstrip("#").strip() in LABEL_NAMES), None)
-    if label is None:  # labels: few distinct values (or few distinct parts of comma-joined values)
-        few = [c for c in cols if 2 <= len(_label_parts(cols[c])) <= max(2, min(200, n // 5))]
+    flags = _flag_columns(cols)
+    if label is None and len(flags) >= 2:  # SemEval E-c, Jigsaw, GoEmotions' raw files: a 0/1 column per label
+        chosen = _choose_texts(s, cols, flags)
+        per_text = statistics.fmean(sum(str(cols[c][i]).strip().lower() in ("1", "1.0", "true") for c in flags)
+                                    for i in range(n))  # fmt: skip
+        s.notes.append(f"labels: {len(flags)} columns hold only 0/1, one per label {flags[:12]}"
+                       f"{' ...' if len(flags) > 12 else ''}: multi-label, {per_text:.1f} labels per text "
+                       "(data.label_columns)")  # fmt: skip
+        ones = [c for c, v in cols.items() if v and {str(x).strip().lower() for x in v} <= {"1", "1.0", "true"}]
+        if ones:
+            s.notes.append(f"left out: column(s) {ones} hold 1 in every row (nothing to learn)")
+        return chosen | {"label_columns": flags, "problem_type": MULTI}
+    if label is None:  # labels: few distinct values (or few distinct parts of joined values)
+        few = [c for c in cols if 2 <= len(_label_parts(cols[c], _delimiter(cols[c]))) <= max(2, min(200, n // 5))]
         label = min(few, key=lambda c: _mean_len(cols[c]), default=None)
-    texts = sorted((c for c in cols if c != label and not all(_is_number(v) for v in cols[c][:200])),
-                   key=lambda c: -_mean_len(cols[c]))  # fmt: skip
-    if not texts or label is None:
+    if label is None:  # else the one column of real numbers (a score under a name of its own)
+        reals = [c for c, v in cols.items() if all(map(_is_number, v)) and any(not float(x).is_integer() for x in v)]
+        label = reals[0] if len(reals) == 1 else None
+    if label is None:
+        texts = [c for c in cols if not all(_is_number(v) for v in cols[c][:200])]
         raise UserError(f"{s.path}: cannot tell the {'label' if texts else 'text'} column among {list(cols)}; "
                         "write the config by hand (data.text_column, data.label_column)")  # fmt: skip
-    chosen: dict[str, Any] = {"text_column": texts[0], "label_column": label}
-    if len(texts) > 1 and _mean_len(cols[texts[1]]) >= 0.5 * _mean_len(cols[texts[0]]) and any(
-        h in c.lower() for c in texts[:2] for h in PAIR_HINTS
-    ):  # two texts of comparable length, one named like a second text: sentence pairs
-        first, second = sorted(texts[:2])
-        chosen.update(text_column=first, text_pair_column=second)
-        s.notes.append(f"texts: columns {first!r} and {second!r} as a sentence pair; remove data.text_pair_column "
-                       "to use one text")  # fmt: skip
-    else:
-        s.notes.append(f"text: column {texts[0]!r} (the longest texts, {_mean_len(cols[texts[0]]):.0f} characters "
-                       "on average); change data.text_column")  # fmt: skip
-    values = cols[label]
-    parts = _label_parts(values)
-    multi = any(isinstance(v, list) or "," in str(v) for v in values) and len(parts) <= 200
-    if multi:
-        chosen["problem_type"] = "multi_label_classification"
-        if not any(isinstance(v, list) for v in values):
-            chosen["label_delimiter"] = ","
-        s.notes.append(f"labels: column {label!r} holds several labels per text ({len(parts)} labels): multi-label")
-    elif all(_is_number(v) for v in values) and any(not float(v).is_integer() for v in values):
-        chosen["problem_type"] = "regression"
-        s.notes.append(f"labels: column {label!r} holds {len(set(values))} distinct numbers: regression")
-    else:
-        s.notes.append(f"labels: column {label!r}, {len(set(map(str, values)))} classes; change data.label_column")
+    chosen = _choose_texts(s, cols, [label])
+    chosen |= _label_kind(s, label)
+    others = [c for c in flags if c != label]
+    if len(others) >= 2:
+        s.notes.append(f"columns {others[:12]} also hold only 0/1: for one label per column set data.label_columns "
+                       "and model.problem_type=multi_label_classification")  # fmt: skip
     return chosen
 
 
@@ -196,6 +447,58 @@ def sniff_folders(path: Path) -> Sniffed:
              for n in sub}  # fmt: skip
     columns = {"text": [t for v in texts.values() for t in v], "label": [n for n, v in texts.items() for _ in v]}
     return Sniffed(path, "folder", columns, notes=[f"one folder per label: {sub}; one file per document"])
+
+
+# files beside the data that describe it rather than hold texts
+DOC_STEMS = ("readme", "license", "licence", "source", "copying", "notice", "changelog", "citation")
+DOC_SUFFIXES = (".md", ".yaml", ".yml", ".py", ".sh", ".html", ".pdf", ".bib", ".cfg", ".ini")
+
+
+def label_file_groups(folder: Path) -> list[dict[str, Path]]:
+    """Groups of text files, one per label, that `data.label_files` reads: files sharing a name and
+    differing by extension (rt-polarity.pos, rt-polarity.neg: labels pos, neg), else files sharing an
+    extension and differing by name (positive.txt, negative.txt: labels positive, negative)."""
+    files = [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
+             and not p.stem.lower().startswith(DOC_STEMS)
+             and p.suffix.lower() not in DOC_SUFFIXES + TABLES]  # fmt: skip
+    by_stem: dict[str, list[Path]] = {}
+    by_suffix: dict[str, list[Path]] = {}
+    for p in files:
+        by_stem.setdefault(p.stem, []).append(p)
+        by_suffix.setdefault(p.suffix.lower(), []).append(p)
+    groups = [{p.suffix.lstrip("."): p for p in g} for g in by_stem.values() if len(g) > 1 and all(p.suffix for p in g)]
+    if not groups:
+        groups = [{p.stem: p for p in g} for g in by_suffix.values() if len(g) > 1]
+    return [g for g in groups if all(g) and len(g) <= 200]
+
+
+def sniff_label_files(folder: Path, group: dict[str, Path]) -> Sniffed:
+    """One text file per label, one text per line (blank lines skipped), as `data.label_files` reads it.
+
+    Raises:
+        UserError: a label file that is not text (a spreadsheet, an archive, a binary file).
+    """
+    texts: dict[str, list[str]] = {}
+    encodings: set[str] = set()
+    for label, p in group.items():
+        check_format(p)
+        raw = p.read_bytes()[: 64 << 20]
+        if not raw.isascii():  # ASCII reads the same in every encoding below
+            encodings.add(_encoding(raw).replace("utf-8-sig", "utf-8"))
+        texts[label] = [x.strip() for x in raw.decode(_encoding(raw), errors="replace").splitlines() if x.strip()]
+    columns = {"text": [t for v in texts.values() for t in v], "label": [n for n, v in texts.items() for _ in v]}
+    settings: dict[str, Any] = {"label_files": {label: p.name for label, p in group.items()}}
+    if encodings == {"latin-1"}:
+        settings["encoding"] = "latin-1"
+    elif len(encodings) > 1:  # no one encoding reads them all: odd bytes become U+FFFD
+        settings["encoding_errors"] = "replace"
+    elif any(p.read_bytes()[:3] == b"\xef\xbb\xbf" for p in group.values()):
+        settings["encoding"] = "utf-8-sig"  # a BOM is not text (and utf-8-sig reads files without one too)
+    counts = ", ".join(f"{label} {len(v)}" for label, v in texts.items())
+    named = "extensions" if all(p.suffix.lstrip(".") == label for label, p in group.items()) else "names"
+    notes = [f"one text file per label, one text per line (data.label_files; labels: the file {named}): {counts} "
+             f"lines; encoding {settings.get('encoding', 'utf-8')}{' (errors replaced)' if len(encodings) > 1 else ''}"]
+    return Sniffed(folder, "label_files", columns, settings, notes)
 
 
 def _names_file(folder: Path, labels: set[str]) -> Path | None:
@@ -209,24 +512,26 @@ def _names_file(folder: Path, labels: set[str]) -> Path | None:
     return None
 
 
+def _split_of(stem: str) -> str | None:
+    stem = stem.lower()
+    split = next((k for k, words in SPLIT_WORDS.items() if any(stem.startswith(w) for w in words)), None)
+    return "train" if split is None and stem.startswith("train") else split
+
+
 def _split_files(folder: Path) -> dict[str, Path]:
-    tables = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in tables)
     found: dict[str, Path] = {}
-    for p in files:
-        stem = p.stem.lower()
-        split = next((k for k, words in SPLIT_WORDS.items() if any(stem.startswith(w) for w in words)), None)
-        if split is None and stem.startswith("train"):
-            split = "train"
+    for p in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in TABLES):
+        split = _split_of(p.stem)
         if split is not None:
             found.setdefault(split, p)
     return found
 
 
-def suggest(n_train: int) -> tuple[float, int]:
-    """(learning rate, epochs) for a small encoder: fewer rows, more passes."""
-    epochs = 10 if n_train < 1000 else 5 if n_train < 5000 else 3 if n_train < 20000 else 2
-    return 1e-4, epochs
+def recipe(problem_type: str, n_train: int) -> dict[str, Any]:
+    """train.* keys for `problem_type` and `n_train` training rows, from RECIPES: fewer rows, more passes."""
+    r = RECIPES[problem_type]
+    epochs = next(e for bound, e in r["epochs"] if bound is None or n_train < bound)
+    return {"epochs": epochs, **{k: v for k, v in r.items() if k != "epochs"}}
 
 
 def _yaml(value: Any) -> str:
@@ -249,6 +554,108 @@ def render(model: str, out_name: str, data: dict[str, Any], train: dict[str, Any
     return "\n".join(lines) + "\n"
 
 
+def _label_files_layout(folder: Path, groups: list[dict[str, Path]]) -> tuple[Sniffed, dict[str, Any]]:
+    """Sniff the one set of text files per label of a folder (several sets: a UserError)."""
+    if len(groups) > 1:
+        names = [sorted(p.name for p in g.values()) for g in groups]
+        raise UserError(f"{folder}: several sets of one-text-file-per-label files {names}; run finetune init on a "
+                        "folder holding one set")  # fmt: skip
+    s = sniff_label_files(folder, groups[0])
+    return s, {"data_dir": str(folder), **s.settings}
+
+
+def _train_table(path: Path, folder_groups: list[dict[str, Path]]) -> tuple[Sniffed, dict[str, Any]]:
+    """Sniff a train file: records, a table, or (a file that is no table) one of a folder's text files per label.
+
+    Raises:
+        UserError: an unreadable format, or a file that is neither a table nor a text file per label.
+    """
+    fmt = check_format(path)
+    if fmt is not None or path.suffix.lower() in RECORDS:
+        s = sniff_records(path, fmt)
+    else:
+        try:
+            s = sniff_table(path)
+        except UserError:
+            mine = [g for g in folder_groups if path in g.values()]
+            if not mine:
+                raise
+            s, data = _label_files_layout(path.parent, mine)
+            s.notes.insert(0, f"{path.name} is no table: one of the text files per label beside it")
+            return s, data
+    return s, {"data_dir": str(path.parent), "train_file": path.name, **s.settings}
+
+
+def sniff_data(data_path: Path) -> tuple[Sniffed, dict[str, Any], dict[str, Path]]:
+    """What is in a file or folder: the sniffed texts and labels (columns chosen, problem type said),
+    the data.* keys that read it, and its split files.
+
+    Raises:
+        UserError: unreadable or ambiguous data, or a folder with no layout `finetune train` reads.
+    """
+    if data_path.is_dir() and any(p.is_dir() and not p.name.startswith(".") for p in data_path.iterdir()):
+        s = sniff_folders(data_path)
+        return s, {"data_dir": str(data_path.parent), "train_file": data_path.name, "encoding_errors": "replace"}, {}
+    folder = data_path if data_path.is_dir() else data_path.parent
+    # a set of files that differ by a split name (train/dev/test) is splits, never labels
+    groups = [g for g in label_file_groups(folder) if not any(
+        re.search(r"(^|[^a-z])(train|dev|test|valid|validation|val)([^a-z]|$)", x.lower()) for x in g)]  # fmt: skip
+    splits = _split_files(data_path) if data_path.is_dir() else {"train": data_path}
+    if "train" not in splits:
+        if groups:
+            s, data = _label_files_layout(data_path, groups)
+            return s, data, {}
+        others = sorted(p for p in data_path.iterdir() if p.is_file() and _split_of(p.stem) == "train")
+        for p in others:  # train.xlsx: say what it is rather than that there is no train file
+            check_format(p)
+        raise UserError(f"{data_path}: no train* file (csv/tsv/jsonl/json/parquet), no label sub-folders and no text "
+                        "file per label (such as rt-polarity.pos, rt-polarity.neg)")  # fmt: skip
+    s, data = _train_table(splits["train"], groups)
+    if "label_files" in data:
+        return s, data, {}
+    if data_path.is_dir():
+        data["data_dir"] = str(data_path)
+    for split, p in splits.items():
+        if split != "train":
+            check_format(p)
+            data[f"{split}_file"] = p.name
+            s.notes.append(f"{split}: {p.name}")
+    chosen = choose_columns(s)
+    data |= chosen
+    if "label_column" in chosen:
+        values = s.columns[chosen["label_column"]]
+        names = _names_file(folder, _label_parts(values, _delimiter(values) if chosen.get("problem_type") == MULTI
+                                                 else None))  # fmt: skip
+        if names is not None:
+            data["labels_file"] = str(names)
+            s.notes.append(f"label names: {names.name} (line number = label id)")
+    return s, data, splits
+
+
+def _max_length(s: Sniffed, data: dict[str, Any], tok: Any, limit: int | None) -> int:
+    """The 99th percentile of the token lengths (a pair: both texts together), rounded up to 16, at
+    least 32, at most the model's position limit and 512; said in `s.notes`."""
+    text_col = data.get("text_column", "text")
+    stride = max(1, len(s.columns[text_col]) // 2000)  # ~2,000 texts spread over the file
+    sample = [str(t) for t in s.columns[text_col][::stride]]
+    pair_col = data.get("text_pair_column")  # a pair is one model row: its length is both texts together
+    pairs = [str(t) for t in s.columns[pair_col][::stride]] if pair_col else None
+    lengths = sorted(len(x) for x in tok(sample, pairs, truncation=False)["input_ids"])
+    p99 = lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
+    wanted = max(32, 16 * math.ceil(p99 / 16))
+    cap = min(512, limit or 512)
+    note = f"max_length {min(wanted, cap)}: the 99th percentile of {len(lengths)} texts is {p99} tokens"
+    if wanted > cap:
+        why = ("the model's position limit" if limit is not None and limit <= 512 else
+               f"init's ceiling; the model reads up to {limit} tokens at more memory")  # fmt: skip
+        note += f", cut to {cap} ({why}): longer texts are truncated (data.truncation, or windows: data.chunk_stride)"
+    s.notes.append(note)
+    return min(wanted, cap)
+
+
+KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
+
+
 def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: bool = False) -> list[str]:
     """Write a config for `data_path` to `out`; return the notes printed to the user.
 
@@ -260,59 +667,32 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
     data_path = data_path.resolve()
     if not data_path.exists():
         raise UserError(f"{data_path} does not exist")
-    data: dict[str, Any] = {"data_dir": str(data_path.parent)}
-    splits: dict[str, Path] = {}
-    notes: list[str] = []
-    if data_path.is_dir() and any(p.is_dir() for p in data_path.iterdir()):
-        s, chosen = sniff_folders(data_path), {}
-        data.update(train_file=data_path.name, encoding_errors="replace")
-        notes += s.notes
-    else:
-        if data_path.is_dir():
-            splits = _split_files(data_path)
-            if "train" not in splits:
-                raise UserError(f"{data_path}: no train* file (csv/tsv/jsonl/json/parquet) and no label sub-folders")
-            data["data_dir"] = str(data_path)
-        else:
-            splits = {"train": data_path}
-        train_file = splits["train"]
-        tabular = train_file.suffix.lower() not in (".jsonl", ".json", ".parquet")
-        s = sniff_table(train_file) if tabular else sniff_records(train_file)
-        chosen = choose_columns(s)
-        data.update(train_file=train_file.name, **s.settings)
-        notes += s.notes
-        for split, p in splits.items():
-            if split != "train":
-                data[f"{split}_file"] = p.name
-                notes.append(f"{split}: {p.name}")
-        data.update({k: v for k, v in chosen.items() if k != "problem_type"})
-        names = _names_file(train_file.parent, _label_parts(s.columns[chosen["label_column"]]))
-        if names is not None:
-            data["labels_file"] = str(names)
-            notes.append(f"label names: {names.name} (line number = label id)")
-    problem_type = chosen.get("problem_type")
+    s, data, splits = sniff_data(data_path)
+    problem_type = data.pop("problem_type", SINGLE)
     if "validation" not in splits:
         data["validation_split"] = 0.1
-        notes.append("no validation file: 10% of train held out (data.validation_split)")
-    tok = build_tokenizer(load_config_for_tokenizer(model))
-    text_col = chosen.get("text_column", "text")
-    stride = max(1, len(s.columns[text_col]) // 2000)  # ~2,000 texts spread over the file
-    sample = [str(t) for t in s.columns[text_col][::stride]]
-    pair_col = chosen.get("text_pair_column")  # a pair is one model row: its length is both texts together
-    pairs = [str(t) for t in s.columns[pair_col][::stride]] if pair_col else None
-    lengths = sorted(len(x) for x in tok(sample, pairs, truncation=False)["input_ids"])
-    p99 = lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
-    data["max_length"] = min(512, max(32, 16 * math.ceil(p99 / 16)))
-    notes.append(f"max_length {data['max_length']}: the 99th percentile of {len(lengths)} texts is {p99} tokens")
+        s.notes.append("no validation file: 10% of train held out (data.validation_split)")
+    cfg = load_config_for_tokenizer(model)
+    tok = build_tokenizer(cfg)
+    data["max_length"] = _max_length(s, data, tok, position_limit(cfg, tok))
     n_train = len(next(iter(s.columns.values())))
-    lr, epochs = suggest(n_train)
-    train = {"epochs": epochs, "micro_batch_size": 16 if data["max_length"] > 256 else 32, "learning_rate": lr,
-             "warmup_ratio": 0.06, "eval_every_steps": 200}  # fmt: skip
-    notes.append(f"{n_train} training rows read: {epochs} epochs at learning rate {lr:g}")
+    r = recipe(problem_type, n_train)
+    train = {"epochs": r["epochs"], "micro_batch_size": 16 if data["max_length"] > 256 else 32,
+             **{k: v for k, v in r.items() if k != "epochs"}, "eval_every_steps": 200}  # fmt: skip
+    s.notes.append(f"{n_train} training rows read: the {KINDS[problem_type]} recipe for that size (scaffold.recipe): "
+                   + ", ".join(f"{k} {v:g}" for k, v in r.items()))  # fmt: skip
+    if train["micro_batch_size"] != 32:
+        s.notes.append(f"micro_batch_size {train['micro_batch_size']}: rows of more than 256 tokens")
+    # keys at the schema's default are said in the notes above, not written
+    train = {k: v for k, v in train.items() if v != TrainConfig.model_fields[k].default}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(model, str(out), data, train, notes, problem_type))
-    load_config(out)  # what was written validates
-    return notes
+    out.write_text(render(model, str(out), data, train, s.notes, problem_type if problem_type != SINGLE else None))
+    try:
+        load_config(out)  # what was written validates
+    except UserError:
+        out.unlink()  # nothing written on an error
+        raise
+    return s.notes
 
 
 def load_config_for_tokenizer(model: str) -> Any:
