@@ -1,0 +1,70 @@
+"""What the CLS pooler costs on all-MiniLM-L6-v2: the shipped config with BERT's pooler replaced by mean pooling.
+
+all-MiniLM-L6-v2 was trained as a sentence encoder with mean pooling; `BertForSequenceClassification`
+reads the CLS token through a dense + tanh pooler that training never shaped. This runs the real
+training loop in-process with `BertPooler` patched to the masked mean of the last hidden states (no
+dense, no tanh), to measure the difference. The patch is for measurement only: a final/ trained this
+way does not load with mean pooling in `transformers.pipeline` (BERT has no such option without remote
+code), so the app keeps the CLS pooler.
+
+    .venv/bin/python scripts/bench_pooling.py --config configs/mrpc-minilm.yaml [--mean] [overrides ...]
+
+Prints final/'s eval.json headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers.models.bert.modeling_bert as bert
+
+from finetune.train import main as train_main
+
+_MASK: dict[str, torch.Tensor | None] = {"mask": None}
+
+
+def patch_mean_pooling() -> None:
+    forward = bert.BertModel.forward
+
+    def model_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _MASK["mask"] = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        return forward(self, *args, **kwargs)
+
+    def pool(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        mask = _MASK["mask"]
+        if mask is None:
+            return hidden_states.mean(1)
+        m = mask.unsqueeze(-1).to(hidden_states.dtype)
+        return (hidden_states * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+    bert.BertModel.forward = model_forward
+    bert.BertPooler.forward = pool
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--mean", action="store_true", help="mean pooling instead of the CLS pooler")
+    parser.add_argument("--out", default="/tmp/bench_pooling")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    if args.mean:
+        patch_mean_pooling()
+    out = Path(args.out) / ("mean" if args.mean else "cls")
+    start = time.perf_counter()
+    code = train_main(["--config", args.config, f"run.output_dir={out}", "run.overwrite=true", "log.plots=false",
+                       *args.overrides])  # fmt: skip
+    final = json.loads((out / "eval.json").read_text())
+    keep = {k: v for k, v in final.items() if isinstance(v, float)}
+    print(json.dumps({"pooling": "mean" if args.mean else "cls", "wall_s": time.perf_counter() - start, **keep}))
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
