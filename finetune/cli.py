@@ -188,11 +188,12 @@ def model_logits(
 
     from finetune.data import Windowing, encode_texts
     from finetune.metrics import per_text
+    from finetune.model import position_limit
 
     if max_length is None:  # tokenizers without a limit report a huge sentinel
         max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
-    # never past the model's position embeddings (a from-scratch model may have fewer than 512)
-    max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
+    # never past the model's positions (a from-scratch model may have fewer than 512; RoBERTa's table has 2 more)
+    max_length = min(max_length, position_limit(model.config) or max_length)
     c = model.config  # the run's windowing of long texts, as final/config.json records it
     w = Windowing(max_length, getattr(c, "truncation", None), getattr(c, "head_fraction", 0.25),
                   getattr(c, "chunk_stride", None))  # fmt: skip

@@ -215,6 +215,57 @@ def build_model(cfg: Config, label_names: list[str], tokenizer: Any, empty: bool
     return model
 
 
+# Families whose learned positions start after the pad id (RoBERTa's `padding_idx + 1` offset): a table of
+# 514 rows holds 512 positions
+PADDED_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "longformer",
+                    "roberta-prelayernorm", "ibert", "mpnet"}  # fmt: skip
+
+
+def position_limit(config: Any) -> int | None:
+    """The most tokens per row a model of this transformers `config` takes, or None where it has no
+    absolute position table (DeBERTa-v3's relative attention, families without a position setting).
+
+    Longer rows crash learned absolute positions mid-run (BERT: 512); rotary families are given their
+    trained context (`max_position_embeddings`) too, past which quality falls off.
+    """
+    if getattr(config, "position_biased_input", True) is False:  # DeBERTa-v2/v3: relative positions only
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and limit > 0:
+            if getattr(config, "model_type", None) in PADDED_POSITIONS:
+                limit -= (getattr(config, "pad_token_id", None) or 0) + 1
+            return limit
+    return None
+
+
+def check_max_length(cfg: Config, tokenizer: Any) -> None:
+    """Refuse `data.max_length` above the model's position limit, before any text is tokenized.
+
+    A refusal rather than a silent cap: the run's config.yaml (and resume's compatibility check, and
+    the memory plan) would otherwise describe rows the model never saw, and a user who asks for more
+    tokens than the model takes usually wants the whole long text, which `data.chunk_stride` gives.
+
+    Raises:
+        UserError: `data.max_length` is more than the model's positions.
+    """
+    m = cfg.model
+    if m.architecture is not None:
+        config = architecture_config(m.architecture, tokenizer, {})
+        name = f"model.architecture ({m.architecture.get('model_type')})"
+    else:
+        assert m.name_or_path is not None
+        config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code)
+        name = m.name_or_path
+    limit = position_limit(config)
+    if limit is not None and cfg.data.max_length > limit:
+        raise UserError(
+            f"data.max_length={cfg.data.max_length} is more than the {limit} token positions of {name}; set "
+            f"data.max_length={limit} (or less), and data.chunk_stride (e.g. {limit // 4}) to read longer texts in "
+            "overlapping windows"
+        )
+
+
 def empty_model(cfg: Config, labels: dict[str, Any], tokenizer: Any) -> PreTrainedModel:
     """The classifier with its parameters on the meta device (buffers real: they are small), from
     `model.architecture`, else `model.plan_architecture`, else the pretrained model's config.

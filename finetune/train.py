@@ -52,6 +52,7 @@ from finetune.model import (
     attention_cost,
     build_model,
     build_tokenizer,
+    check_max_length,
     check_packing,
     check_quantized_autocast,
     choose_pad_token,
@@ -183,6 +184,7 @@ def train(
 
     # Everything that can fail on user input happens before the output directory is touched.
     tokenizer = build_tokenizer(cfg)
+    check_max_length(cfg, tokenizer)  # before long texts are tokenized
     data = build_data(cfg, tokenizer)
     pad_note = choose_pad_token(tokenizer, [data.train, data.validation, data.test])  # pad never inside a text
     model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer)
