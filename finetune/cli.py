@@ -116,14 +116,9 @@ def _plan_grid(args: argparse.Namespace) -> int:
 
 
 def _load_classifier(model_dir: str) -> tuple[Any, Any]:
-    import transformers
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from finetune.checkpoint import load_final
 
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise UserError(f"--model {model_dir} is not an exported model directory (no config.json)")
-    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar around one-line errors
-    return AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+    return load_final(Path(model_dir))
 
 
 def _records(path: Path) -> list[Any]:
