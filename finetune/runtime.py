@@ -65,14 +65,43 @@ def check_launch_dynamo(cfg: Config) -> None:
     logger.info(f"{DYNAMO_ENV}={backend} ignored: the model is compiled once, by model.compile")
 
 
+# log.trackers -> what to pip install (Accelerate checks for the import name; aim 4 is not supported by it)
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
+                    "comet_ml": "comet-ml", "aim": "'aim<4'", "clearml": "clearml", "dvclive": "dvclive",
+                    "swanlab": "swanlab"}  # fmt: skip
+# the keyword each tracker's init takes for a run's name (Accelerate names the project "finetune")
+TRACKER_RUN_NAME = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
+
+
+def check_trackers(trackers: list[str]) -> None:
+    """Refuse a tracker whose package is missing: Accelerate would leave it out without a word.
+
+    Raises:
+        UserError: a tracker's package cannot be imported.
+    """
+    from accelerate.utils import imports
+
+    for name in trackers:
+        if not getattr(imports, f"is_{name}_available")():
+            package = TRACKER_PACKAGES[name]
+            raise UserError(f"log.trackers: {name} needs the package {package}, which is not installed: "
+                            f"pip install {package} (or remove {name} from log.trackers)")
+
+
+def tracker_init_kwargs(trackers: list[str], run_dir: Path) -> dict[str, dict[str, str]]:
+    """Accelerate's `init_kwargs`: each tracker's run named after the run directory."""
+    return {t: {TRACKER_RUN_NAME[t]: run_dir.name} for t in trackers if t in TRACKER_RUN_NAME}
+
+
 def build_accelerator(cfg: Config) -> Accelerator:
     """Accelerator with mixed precision, gradient accumulation and global (split) batches.
 
     Raises:
-        UserError: the launch config contradicts the run config (accumulation, dynamo), or the
-            precision mode is not supported on this device.
+        UserError: the launch config contradicts the run config (accumulation, dynamo), the
+            precision mode is not supported on this device, or a tracker's package is missing.
     """
     check_launch_dynamo(cfg)
+    check_trackers(cfg.log.trackers)
     # Accelerate keeps the mixed-precision state of a process's first Accelerator; a second run in
     # the same process (a test, a notebook, a sweep trial) with another precision needs a fresh one.
     # The process group (PartialState) is kept.

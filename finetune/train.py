@@ -90,6 +90,7 @@ from finetune.runtime import (
     provenance,
     resume_hint,
     setup_logging,
+    tracker_init_kwargs,
 )
 
 logger = logging.getLogger("finetune")
@@ -214,7 +215,7 @@ def train(
         f"{threads} CPU thread(s) per process"
     )
     if cfg.log.trackers:
-        accelerator.init_trackers("finetune", config=flat_config(cfg))
+        accelerator.init_trackers("finetune", flat_config(cfg), tracker_init_kwargs(cfg.log.trackers, run_dir))
     ckpt.warn_if_disk_small(run_dir, disk_need(cfg, model))
 
     loaders = [x for x in (eval_loader, test_loader) if x is not None]
