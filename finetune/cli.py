@@ -179,11 +179,11 @@ def model_logits(
     carries the run's `data.max_length` there, so prediction truncates where training did.
     """
     import torch
-    from tqdm.auto import tqdm
 
     from finetune.data import Windowing, encode_texts
     from finetune.metrics import per_text
     from finetune.model import position_limit
+    from finetune.runtime import progress_bar
 
     if max_length is None:  # tokenizers without a limit report a huge sentinel
         max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
@@ -198,7 +198,7 @@ def model_logits(
     out = torch.zeros(len(order), c.num_labels)
     starts = range(0, len(order), batch_size)
     with torch.no_grad():
-        for s in tqdm(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
+        for s in progress_bar(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
             idx = order[s : s + batch_size]
             batch = tokenizer.pad([{k: enc[k][i] for k in keys} for i in idx], return_tensors="pt")
             out[idx] = model(**batch).logits.float()

@@ -26,7 +26,6 @@ if __package__ in (None, ""):  # `python finetune/train.py` / `accelerate launch
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
 from finetune import faults
@@ -87,6 +86,7 @@ from finetune.runtime import (
     build_accelerator,
     configure_determinism,
     optimizer_step_out_of_memory,
+    progress_bar,
     provenance,
     resume_hint,
     setup_logging,
@@ -240,8 +240,8 @@ def train(
     summary = memory_summary(cfg, progress) | {"planned_bytes": planned}  # the plan, when micro-batch was auto
     run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, summary, cfg.memory.record_history)
     run.memory.heaviest_step = heaviest_step(sampler, progress, total_steps)
-    run.bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process,
-                   dynamic_ncols=True)
+    run.bar = progress_bar(total=total_steps, initial=progress.step, desc="train", unit="step",
+                           disable=not accelerator.is_main_process, dynamic_ncols=True)
     if progress.step < total_steps and not progress.finished:
         run.memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
 
@@ -510,11 +510,11 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         Preempted: a signal asked to stop (after this step's checkpoint is on disk).
     """
     cfg, step = run.cfg, progress.step
-    run.bar.update(1)
     run.memory.end_sample()
     faults.signal_point("step", step, run.run_dir, run.guard)
     if step % cfg.train.log_every_steps == 0 or step == run.total_steps:
         log_row(run, progress, sums)
+    run.bar.update(1)  # after the row: a progress line shows this step's loss
     ev = cfg.train.eval_every_steps
     if run.eval_loader is not None and ev and step % ev == 0 and step < run.total_steps:
         evaluate_now(run, progress, sums)
@@ -553,7 +553,8 @@ def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     progress.samples_seen += int(samples)
     row.update(run.precision.fields())  # compile_graphs, loss_scale, skipped steps
     record_row(run.accelerator, run.metrics_file, row)
-    run.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", sps=f"{row['samples_per_s']:.1f}")
+    run.bar.set_postfix({"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}",
+                         "samples/s": f"{row['samples_per_s']:.1f}"}, refresh=False)
     sums.reset()
 
 

@@ -246,3 +246,21 @@ def test_incomplete_final_is_one_line_naming_the_file(
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and err[0].startswith("error: ") and str(named) in err[0], (name, err)
     assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "onnx").exists()
+
+
+def test_predict_progress_is_plain_lines_in_a_log(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stderr not a terminal: predict's batches as plain lines (here one per batch), no carriage returns."""
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "o.jsonl"
+    argv = ["predict", "--model", str(tiny_run / "final"), "--input", str(inp), "--output", str(out),
+            "--batch-size", "1"]
+    capsys.readouterr()
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line.split(" |")[0] for line in err.splitlines() if line.startswith("predict ")]
+    assert lines == ["predict 0/4", "predict 1/4", "predict 2/4", "predict 3/4", "predict 4/4"], err

@@ -365,6 +365,42 @@ def test_tracker_without_its_package_is_one_line(
     assert not (tmp_path / "run").exists()
 
 
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(
+    tiny_config: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job log (stderr not a terminal) got tqdm's carriage-return frames, one per step and more: now a
+    plain line per interval (here 0 s: one per step) with step/total, elapsed, ETA, rate, loss and
+    samples/s; a terminal keeps tqdm's bar."""
+    import io
+
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    cfg = tiny_config({"data.max_train_samples": 64, "train.log_every_steps": 1})
+    assert train_mod.main(["--config", str(cfg)]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("train ")]
+    assert [line.split(" |")[0] for line in lines] == ["train 0/2", "train 1/2", "train 2/2"], err
+    assert "elapsed 00:0" in lines[-1] and "ETA 00:00" in lines[-1] and "step/s" in lines[-1]
+    assert "loss=" in lines[-1] and "samples/s=" in lines[-1]
+
+    # the default interval: quick steps print the last line only; a terminal gets tqdm's frames
+    monkeypatch.delenv("TQDM_MININTERVAL")
+    log = io.StringIO()
+    with runtime.progress_bar(total=50, desc="train", file=log) as bar:
+        for _ in range(50):
+            bar.update(1)
+    assert log.getvalue().count("\n") == 1 and log.getvalue().startswith("train 50/50 |")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    with runtime.progress_bar(total=3, desc="train", file=term) as bar:
+        bar.update(3)
+    assert "\r" in term.getvalue() and "|" in term.getvalue()
+
+
 def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # a failure half way through the export leaves the previous final/ as it was, never a mix
     from accelerate import Accelerator
