@@ -244,7 +244,9 @@ def save_checkpoint(
     except (OSError, RuntimeError, SafetensorError) as exc:
         if not is_disk_full(exc):
             raise
-        raise disk_full_error(run_dir, tmp, exc) from None
+        # several processes: the temporary stays for the next start's cleanup_stale; removed now, it would
+        # break the other ranks' writes into it with errors of their own before they hear of this one
+        raise disk_full_error(run_dir, tmp, exc, remove=accelerator.num_processes == 1) from None
     if accelerator.is_main_process:
         _publish(tmp, target)
         if keep_last is not None:
@@ -294,10 +296,11 @@ def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
-def disk_full_error(run_dir: Path, tmp: Path, exc: BaseException) -> UserError:
-    """One line for a save that filled the disk; removes the temporary first."""
+def disk_full_error(run_dir: Path, tmp: Path, exc: BaseException, remove: bool = True) -> UserError:
+    """One line for a save that filled the disk; removes the temporary first (with `remove`)."""
     written = _tree_bytes(tmp)
-    shutil.rmtree(tmp, ignore_errors=True)
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
     done = [p for p in list_checkpoints(run_dir) if verify_checkpoint(p, deep=False) is None]
     need = max(_tree_bytes(done[-1]) if done else 0, written)
     free = shutil.disk_usage(run_dir).free

@@ -98,7 +98,8 @@ def tracker_init_kwargs(trackers: list[str], run_dir: Path) -> dict[str, dict[st
 
 
 def build_accelerator(cfg: Config) -> Accelerator:
-    """Accelerator with mixed precision, gradient accumulation and global (split) batches.
+    """Accelerator with mixed precision, gradient accumulation and global (split) batches; with several
+    processes, this process ends as soon as another reports a failure (`watch_other_ranks`).
 
     Raises:
         UserError: the launch config contradicts the run config (accumulation, dynamo), the
@@ -121,6 +122,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
         project_dir=cfg.run.output_dir,
     )
     check_supported(cfg.precision.mode, accelerator.device)
+    watch_other_ranks()
     if accelerator.gradient_accumulation_steps != cfg.train.gradient_accumulation_steps:
         # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (set by `accelerate launch` from a DeepSpeed
         # config) overrides the argument; the sampler's windows and the loss scale use the config's
@@ -130,6 +132,109 @@ def build_accelerator(cfg: Config) -> Accelerator:
             "(remove gradient_accumulation_steps from the Accelerate/DeepSpeed config)"
         )
     return accelerator
+
+
+# ----------------------------------------------------------------------------------------------
+# One rank's failure ends every rank.
+
+FAILURE_KEY = "finetune/failure"  # "<rank>\t<exit code>" of the first rank that failed
+FAILURE_SEEN = "finetune/failure_seen"  # how many other ranks have seen it
+FAILURE_POLL_S = 0.2
+_watching = False
+
+
+def _rank_store() -> Any | None:
+    """The process group's key-value store (Accelerate's launch creates it), or None with one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def watch_other_ranks() -> None:
+    """With several processes: a daemon thread that ends this process with the failed rank's exit code as
+    soon as another rank reports a failure (`end_job`).
+
+    A rank that stops (a full disk, out of memory) leaves the others in a collective: NCCL waits until its
+    timeout (10 minutes) or the launcher's kill, gloo raises a traceback of its own. The store is polled
+    outside the collectives, which release the GIL while they wait.
+    """
+    global _watching
+    store = _rank_store()
+    if store is None or _watching:
+        return
+    _watching = True
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def watch() -> None:
+        while True:
+            time.sleep(FAILURE_POLL_S)
+            try:
+                if not store.check([FAILURE_KEY]):
+                    continue
+                origin, code = store.get(FAILURE_KEY).decode().split("\t")
+                if int(origin) == rank:  # this rank's own failure: end_job ends the process
+                    return
+                store.add(FAILURE_SEEN, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: the launcher is ending the job anyway
+                return
+            _flush_and_exit(int(code))
+
+    threading.Thread(target=watch, name="finetune-failure-watch", daemon=True).start()
+
+
+def several_processes() -> bool:
+    """Whether this process is one rank of several (a launched job with its process group)."""
+    return _rank_store() is not None
+
+
+def end_job(line: str, code: int, wait_s: float = 10.0) -> int:
+    """Print `line` (the one-line error) on stderr and return `code`; with several processes, end every rank.
+
+    The job's first failure is reported to the other ranks (their `watch_other_ranks` ends them with its
+    code); only the first failing rank prints its line. It waits, up to `wait_s`, until the others have
+    seen it (leaving earlier breaks their collectives: gloo prints a traceback of its own), ignores the
+    launcher's SIGTERM meanwhile, and ends at once with the first failure's code (the interpreter's
+    clean-up took seconds with a process group whose peers are gone).
+    """
+    store = _rank_store()
+    if store is None:
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    mine = f"{rank}\t{code}"
+    try:
+        first = store.compare_set(FAILURE_KEY, "", mine).decode()
+        if first == mine:
+            if line:
+                print(line, file=sys.stderr, flush=True)
+            deadline = time.monotonic() + wait_s
+            while store.add(FAILURE_SEEN, 0) < world - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:  # another rank failed first: its line and its code are the job's
+            store.add(FAILURE_SEEN, 1)
+            code = int(first.split("\t")[1])
+    except Exception:  # noqa: BLE001 - no store left (the launcher is ending the job): say it here
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    _flush_and_exit(code)
+    return code  # not reached
+
+
+def _flush_and_exit(code: int) -> None:
+    for handler in logger.handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def local_processes() -> int:

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,11 +86,13 @@ from finetune.runtime import (
     apply_num_threads,
     build_accelerator,
     configure_determinism,
+    end_job,
     optimizer_step_out_of_memory,
     progress_bar,
     provenance,
     resume_hint,
     setup_logging,
+    several_processes,
     tracker_init_kwargs,
 )
 
@@ -716,9 +719,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         with PreemptionGuard() as guard:
             train(cfg, guard)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:  # with several processes: every rank ends with the first failure's line and code
+        return end_job(f"error: {exc}", 2)
     except Preempted as exc:
         if prog is None:
             launched = "ACCELERATE_MIXED_PRECISION" in os.environ
@@ -731,6 +733,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 flush=True,
             )
         return exc.exit_code
+    except Exception:
+        if not several_processes():
+            raise
+        traceback.print_exc()  # a crash on one rank: its traceback, and the other ranks end too instead of waiting
+        return end_job("", 1)
     return 0
 
 
