@@ -27,7 +27,6 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.state import AcceleratorState
 from tqdm import tqdm as plain_tqdm
 from tqdm.auto import tqdm
-from tqdm.autonotebook import tqdm as notebook_or_plain_tqdm
 
 from finetune.config import Config
 from finetune.errors import UserError
@@ -149,6 +148,7 @@ def _rank_store() -> Any | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
+    # torch has no public accessor; the group's own store reaches every rank without a port of our own
     return dist.distributed_c10d._get_default_store()
 
 
@@ -333,7 +333,8 @@ class ProgressLines(plain_tqdm):
 def progress_bar(*args: Any, **kwargs: Any) -> Any:
     """tqdm's bar where stderr is a terminal (or a notebook's widget); `ProgressLines` where it is not."""
     stream = kwargs.get("file") or sys.stderr
-    if notebook_or_plain_tqdm is not plain_tqdm or getattr(stream, "isatty", lambda: False)():
+    notebook = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)  # tqdm.auto's pick in Jupyter
+    if notebook or getattr(stream, "isatty", lambda: False)():
         return tqdm(*args, **kwargs)
     interval = os.environ.get("TQDM_MININTERVAL")
     kwargs.update(mininterval=float(interval) if interval else PROGRESS_LINE_INTERVAL_S, smoothing=0,
