@@ -6,6 +6,7 @@ Exit codes after a preemption checkpoint: 143 (SIGTERM) and 130 (SIGINT), see do
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -139,7 +140,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
 FAILURE_KEY = "finetune/failure"  # "<rank>\t<exit code>" of the first rank that failed
 FAILURE_SEEN = "finetune/failure_seen"  # how many other ranks have seen it
 FAILURE_POLL_S = 0.2
-_watching = False
+_watcher: threading.Thread | None = None
+_stop_watching = threading.Event()
 
 
 def _rank_store() -> Any | None:
@@ -158,32 +160,44 @@ def watch_other_ranks() -> None:
 
     A rank that stops (a full disk, out of memory) leaves the others in a collective: NCCL waits until its
     timeout (10 minutes) or the launcher's kill, gloo raises a traceback of its own. The store is polled
-    outside the collectives, which release the GIL while they wait.
+    outside the collectives, which release the GIL while they wait. The thread holds the store only
+    while it polls and ends with the process group (`end_training` destroys it) or at exit: a store kept
+    alive into the interpreter's shutdown aborted the process ("terminate called without an active
+    exception").
     """
-    global _watching
-    store = _rank_store()
-    if store is None or _watching:
+    global _watcher
+    if _rank_store() is None or (_watcher is not None and _watcher.is_alive()):
         return
-    _watching = True
     import torch.distributed as dist
 
     rank = dist.get_rank()
 
     def watch() -> None:
-        while True:
-            time.sleep(FAILURE_POLL_S)
+        while not _stop_watching.wait(FAILURE_POLL_S):
+            store = _rank_store()
+            if store is None:  # the process group is gone: the run is over
+                return
             try:
-                if not store.check([FAILURE_KEY]):
-                    continue
-                origin, code = store.get(FAILURE_KEY).decode().split("\t")
-                if int(origin) == rank:  # this rank's own failure: end_job ends the process
-                    return
-                store.add(FAILURE_SEEN, 1)
+                failed = store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
+                if failed is not None and int(failed.split("\t")[0]) != rank:  # not this rank's own: end_job's
+                    store.add(FAILURE_SEEN, 1)
+                    _flush_and_exit(int(failed.split("\t")[1]))
             except Exception:  # noqa: BLE001 - the store is gone: the launcher is ending the job anyway
                 return
-            _flush_and_exit(int(code))
+            del store
 
-    threading.Thread(target=watch, name="finetune-failure-watch", daemon=True).start()
+    _stop_watching.clear()
+    _watcher = threading.Thread(target=watch, name="finetune-failure-watch", daemon=True)
+    _watcher.start()
+
+
+def _stop_watcher() -> None:
+    _stop_watching.set()
+    if _watcher is not None:
+        _watcher.join(timeout=2.0)
+
+
+atexit.register(_stop_watcher)
 
 
 def several_processes() -> bool:
