@@ -116,14 +116,9 @@ def _plan_grid(args: argparse.Namespace) -> int:
 
 
 def _load_classifier(model_dir: str) -> tuple[Any, Any]:
-    import transformers
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from finetune.checkpoint import load_final
 
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise UserError(f"--model {model_dir} is not an exported model directory (no config.json)")
-    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar around one-line errors
-    return AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+    return load_final(Path(model_dir))
 
 
 def _records(path: Path) -> list[Any]:
@@ -184,15 +179,16 @@ def model_logits(
     carries the run's `data.max_length` there, so prediction truncates where training did.
     """
     import torch
-    from tqdm.auto import tqdm
 
     from finetune.data import Windowing, encode_texts
     from finetune.metrics import per_text
+    from finetune.model import position_limit
+    from finetune.runtime import progress_bar
 
     if max_length is None:  # tokenizers without a limit report a huge sentinel
         max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
-    # never past the model's position embeddings (a from-scratch model may have fewer than 512)
-    max_length = min(max_length, getattr(model.config, "max_position_embeddings", max_length))
+    # never past the model's positions (a from-scratch model may have fewer than 512; RoBERTa's table has 2 more)
+    max_length = min(max_length, position_limit(model.config) or max_length)
     c = model.config  # the run's windowing of long texts, as final/config.json records it
     w = Windowing(max_length, getattr(c, "truncation", None), getattr(c, "head_fraction", 0.25),
                   getattr(c, "chunk_stride", None))  # fmt: skip
@@ -202,7 +198,7 @@ def model_logits(
     out = torch.zeros(len(order), c.num_labels)
     starts = range(0, len(order), batch_size)
     with torch.no_grad():
-        for s in tqdm(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
+        for s in progress_bar(starts, desc="predict", unit="batch", disable=len(starts) < 2, leave=False):
             idx = order[s : s + batch_size]
             batch = tokenizer.pad([{k: enc[k][i] for k in keys} for i in idx], return_tensors="pt")
             out[idx] = model(**batch).logits.float()

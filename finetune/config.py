@@ -509,8 +509,15 @@ class MemoryConfig(_Section):
 class LogConfig(_Section):
     """`log`: Accelerate trackers to log to, and the plots of a run."""
 
-    trackers: list[Literal["tensorboard"]] = Field(
-        [], description="Accelerate trackers that also receive metrics.jsonl's rows"
+    # every tracker of Accelerate's `log_with` but "all" (whatever happens to be installed: a run should
+    # log where its config says)
+    trackers: list[
+        Literal["tensorboard", "wandb", "trackio", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "swanlab"]
+    ] = Field(
+        [],
+        description="Accelerate trackers that also receive metrics.jsonl's rows and the resolved config (its "
+        "package must be installed: pip install mlflow, wandb, ...; each reads its own settings from the "
+        "environment, e.g. MLFLOW_TRACKING_URI, WANDB_MODE); the tracker's run is named after run.output_dir",
     )
     plots: bool = Field(
         True,

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from finetune.checkpoint import check_final, load_final
 from finetune.errors import UserError
 
 logger = logging.getLogger("finetune")
@@ -35,23 +36,6 @@ CHECK_TEXTS = [
     "but to tell them that something this odd , this funny and this sad can still come out of a studio ; the "
     "cast is game , the music is wonderful , and even the slow middle act earns its place by the final scene .",
 ]
-
-
-def check_final_dir(final: Path) -> None:
-    """Refuse what is not an exported model directory (a run's final/).
-
-    Raises:
-        UserError: missing, not a directory, or without config.json / safetensors weights / tokenizer.
-    """
-    if not final.exists():
-        raise UserError(f"{final} does not exist (give a run's final/ directory)")
-    if not final.is_dir():
-        raise UserError(f"{final} is not a directory (give a run's final/ directory)")
-    weights = list(final.glob("*.safetensors"))
-    tokenizer = (final / "tokenizer.json").is_file() or (final / "tokenizer_config.json").is_file()
-    if not (final / "config.json").is_file() or not weights or not tokenizer:
-        raise UserError(f"{final} is not an exported model directory (final/ holds config.json, "
-                        "model.safetensors and the tokenizer)")
 
 
 def check_out_dir(out: Path, force: bool) -> None:
@@ -82,18 +66,6 @@ def import_onnx() -> Any:
     import onnxruntime
 
     return onnxruntime
-
-
-def load_final(final: Path) -> tuple[Any, Any]:
-    """final/'s tokenizer and model (fp32, eval mode)."""
-    import torch
-    import transformers
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    transformers.utils.logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(final)
-    model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32).eval()
-    return tokenizer, model
 
 
 def encode(tokenizer: Any, texts: list[str], names: list[str], framework: str = "pt") -> dict[str, Any]:
@@ -151,7 +123,7 @@ def export_onnx(final: Path, out: Path, force: bool = False, texts: list[str] | 
         UserError: bad FINAL_DIR / OUT_DIR, missing packages, or ONNX Runtime's logits differ by more than `atol`.
     """
     final, out = Path(final), Path(out)
-    check_final_dir(final)
+    check_final(final)
     check_out_dir(out, force)
     import_onnx()
     started = time.perf_counter()

@@ -14,6 +14,9 @@ with it set says so loudly in its log (`announce`). The training loop calls it a
     oom_in_step:N         raise torch.OutOfMemoryError once, inside optimizer step N
     oom_in_eval:N         raise torch.OutOfMemoryError once, in the first evaluation batch after step N
     nonfinite_at_step:N   make the losses of the window of step N infinite
+
+`kind:N@R` limits a fault to the process of rank R (RANK, set by the launcher): one rank of several
+failing alone is what leaves the others waiting in a collective.
 """
 
 from __future__ import annotations
@@ -57,9 +60,12 @@ def announce() -> None:
 
 
 def at(kind: str, value: int) -> bool:
-    """True when the active specification asks for fault `kind` at `value`."""
+    """True when the active specification asks for fault `kind` at `value` (on this rank, for `kind:N@R`)."""
     for item in spec().split(","):
-        name, _, n = item.strip().partition(":")
+        name, _, where = item.strip().partition(":")
+        n, _, rank = where.partition("@")
+        if rank.strip() and rank.strip() != os.environ.get("RANK", "0"):
+            continue
         if name == kind and n.strip().isdigit() and int(n) == value:
             return True
     return False

@@ -96,35 +96,6 @@ def build_tokenizer(cfg: Config) -> Any:
     return tokenizer
 
 
-# families whose position ids start at padding_idx + 1: max_position_embeddings overstates the usable length
-OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "roberta-prelayernorm")
-
-
-def position_limit(cfg: Config, tokenizer: Any) -> int | None:
-    """The most tokens a row may hold: the model config's max_position_embeddings (less RoBERTa's offset)
-    and the tokenizer's model_max_length, whichever is lower; None when neither says. Reads the config
-    file only (no weights).
-
-    Raises:
-        UserError: the model config cannot be loaded.
-    """
-    m = cfg.model
-    if m.architecture is not None:
-        config: Any = AutoConfig.for_model(**m.architecture)
-    else:
-        assert m.name_or_path is not None
-        config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code)
-    limits: list[int] = []
-    positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and positions > 0:
-        offset = (getattr(config, "pad_token_id", None) or 0) + 1 if config.model_type in OFFSET_POSITIONS else 0
-        limits.append(positions - offset)
-    tok_limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(tok_limit, int) and 0 < tok_limit < 1_000_000:  # unset: transformers' VERY_LARGE_INTEGER
-        limits.append(tok_limit)
-    return min(limits, default=None)
-
-
 NEW_PAD_TOKEN = "<|pad|>"
 
 
@@ -255,6 +226,80 @@ def build_model(
     if m.lora is not None:
         model = add_lora(model, m.lora)
     return model
+
+
+# Families whose learned positions start after the pad id (RoBERTa's `padding_idx + 1` offset): a table of
+# 514 rows holds 512 positions
+PADDED_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "longformer",
+                    "roberta-prelayernorm", "ibert", "mpnet"}  # fmt: skip
+
+
+def position_limit(config: Any) -> int | None:
+    """The most tokens per row a model of this transformers `config` takes, or None where it has no
+    absolute position table (DeBERTa-v3's relative attention, families without a position setting).
+
+    Longer rows crash learned absolute positions mid-run (BERT: 512); rotary families are given their
+    trained context (`max_position_embeddings`) too, past which quality falls off.
+    """
+    if getattr(config, "position_biased_input", True) is False:  # DeBERTa-v2/v3: relative positions only
+        return None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        limit = getattr(config, key, None)
+        if isinstance(limit, int) and limit > 0:
+            if getattr(config, "model_type", None) in PADDED_POSITIONS:
+                limit -= (getattr(config, "pad_token_id", None) or 0) + 1
+            return limit
+    return None
+
+
+def model_config(cfg: Config, tokenizer: Any) -> tuple[Any, str]:
+    """The transformers config of the configured model (no weights read) and how to name it in a message.
+
+    Raises:
+        UserError: the model config cannot be loaded or built.
+    """
+    m = cfg.model
+    if m.architecture is not None:
+        name = f"model.architecture ({m.architecture.get('model_type')})"
+        return architecture_config(m.architecture, tokenizer, {}), name
+    assert m.name_or_path is not None
+    config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code)
+    return config, m.name_or_path
+
+
+def row_limit(cfg: Config, tokenizer: Any) -> int | None:
+    """The most tokens `finetune init` may suggest per row: the model's `position_limit` and the
+    tokenizer's model_max_length, whichever is lower; None when neither says.
+
+    Raises:
+        UserError: the model config cannot be loaded.
+    """
+    positions = position_limit(model_config(cfg, tokenizer)[0])
+    limits = [positions] if positions is not None else []
+    tok_limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tok_limit, int) and 0 < tok_limit < 1_000_000:  # unset: transformers' VERY_LARGE_INTEGER
+        limits.append(tok_limit)
+    return min(limits, default=None)
+
+
+def check_max_length(cfg: Config, tokenizer: Any) -> None:
+    """Refuse `data.max_length` above the model's position limit, before any text is tokenized.
+
+    A refusal rather than a silent cap: the run's config.yaml (and resume's compatibility check, and
+    the memory plan) would otherwise describe rows the model never saw, and a user who asks for more
+    tokens than the model takes usually wants the whole long text, which `data.chunk_stride` gives.
+
+    Raises:
+        UserError: `data.max_length` is more than the model's positions.
+    """
+    config, name = model_config(cfg, tokenizer)
+    limit = position_limit(config)
+    if limit is not None and cfg.data.max_length > limit:
+        raise UserError(
+            f"data.max_length={cfg.data.max_length} is more than the {limit} token positions of {name}; set "
+            f"data.max_length={limit} (or less), and data.chunk_stride (e.g. {limit // 4}) to read longer texts in "
+            "overlapping windows"
+        )
 
 
 def empty_model(cfg: Config, labels: dict[str, Any], tokenizer: Any) -> PreTrainedModel:

@@ -22,7 +22,7 @@ from typing import Any
 
 from finetune.config import TrainConfig, load_config, validate_config
 from finetune.errors import UserError
-from finetune.model import build_tokenizer, position_limit
+from finetune.model import build_tokenizer, row_limit
 
 SINGLE, MULTI, REGRESSION = "single_label_classification", "multi_label_classification", "regression"
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "score", "quality", "sentiment", "intent")
@@ -675,7 +675,7 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
         s.notes.append("no validation file: 10% of train held out (data.validation_split)")
     cfg = load_config_for_tokenizer(model)
     tok = build_tokenizer(cfg)
-    data["max_length"] = _max_length(s, data, tok, position_limit(cfg, tok))
+    data["max_length"] = _max_length(s, data, tok, row_limit(cfg, tok))
     n_train = len(next(iter(s.columns.values())))
     r = recipe(problem_type, n_train)
     train = {"epochs": r["epochs"], "micro_batch_size": 16 if data["max_length"] > 256 else 32,

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,6 @@ if __package__ in (None, ""):  # `python finetune/train.py` / `accelerate launch
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 from finetune import checkpoint as ckpt
 from finetune import faults
@@ -52,6 +52,7 @@ from finetune.model import (
     attention_cost,
     build_model,
     build_tokenizer,
+    check_max_length,
     check_packing,
     check_quantized_autocast,
     choose_pad_token,
@@ -85,10 +86,14 @@ from finetune.runtime import (
     apply_num_threads,
     build_accelerator,
     configure_determinism,
+    end_job,
     optimizer_step_out_of_memory,
+    progress_bar,
     provenance,
     resume_hint,
     setup_logging,
+    several_processes,
+    tracker_init_kwargs,
 )
 
 logger = logging.getLogger("finetune")
@@ -183,6 +188,7 @@ def train(
 
     # Everything that can fail on user input happens before the output directory is touched.
     tokenizer = build_tokenizer(cfg)
+    check_max_length(cfg, tokenizer)  # before long texts are tokenized
     data = build_data(cfg, tokenizer)
     pad_note = choose_pad_token(tokenizer, [data.train, data.validation, data.test])  # pad never inside a text
     notes = [pad_note] if pad_note else []  # logged once the run directory's train.log exists
@@ -213,7 +219,7 @@ def train(
         f"{threads} CPU thread(s) per process"
     )
     if cfg.log.trackers:
-        accelerator.init_trackers("finetune", config=flat_config(cfg))
+        accelerator.init_trackers("finetune", flat_config(cfg), tracker_init_kwargs(cfg.log.trackers, run_dir))
     ckpt.warn_if_disk_small(run_dir, disk_need(cfg, model))
 
     loaders = [x for x in (eval_loader, test_loader) if x is not None]
@@ -238,8 +244,8 @@ def train(
     summary = memory_summary(cfg, progress) | {"planned_bytes": planned}  # the plan, when micro-batch was auto
     run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, summary, cfg.memory.record_history)
     run.memory.heaviest_step = heaviest_step(sampler, progress, total_steps)
-    run.bar = tqdm(total=total_steps, initial=progress.step, desc="train", disable=not accelerator.is_main_process,
-                   dynamic_ncols=True)
+    run.bar = progress_bar(total=total_steps, initial=progress.step, desc="train", unit="step",
+                           disable=not accelerator.is_main_process, dynamic_ncols=True)
     if progress.step < total_steps and not progress.finished:
         run.memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
 
@@ -521,11 +527,11 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         Preempted: a signal asked to stop (after this step's checkpoint is on disk).
     """
     cfg, step = run.cfg, progress.step
-    run.bar.update(1)
     run.memory.end_sample()
     faults.signal_point("step", step, run.run_dir, run.guard)
     if step % cfg.train.log_every_steps == 0 or step == run.total_steps:
         log_row(run, progress, sums)
+    run.bar.update(1)  # after the row: a progress line shows this step's loss
     ev = cfg.train.eval_every_steps
     if run.eval_loader is not None and ev and step % ev == 0 and step < run.total_steps:
         evaluate_now(run, progress, sums)
@@ -564,7 +570,8 @@ def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     progress.samples_seen += int(samples)
     row.update(run.precision.fields())  # compile_graphs, loss_scale, skipped steps
     record_row(run.accelerator, run.metrics_file, row)
-    run.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", sps=f"{row['samples_per_s']:.1f}")
+    run.bar.set_postfix({"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}",
+                         "samples/s": f"{row['samples_per_s']:.1f}"}, refresh=False)
     sums.reset()
 
 
@@ -726,9 +733,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         with PreemptionGuard() as guard:
             train(cfg, guard)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:  # with several processes: every rank ends with the first failure's line and code
+        return end_job(f"error: {exc}", 2)
     except Preempted as exc:
         if prog is None:
             launched = "ACCELERATE_MIXED_PRECISION" in os.environ
@@ -741,6 +747,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 flush=True,
             )
         return exc.exit_code
+    except Exception:
+        if not several_processes():
+            raise
+        traceback.print_exc()  # a crash on one rank: its traceback, and the other ranks end too instead of waiting
+        return end_job("", 1)
     return 0
 
 

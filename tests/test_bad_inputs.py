@@ -220,6 +220,29 @@ def test_model_path_does_not_exist(case, capsys, tmp_path: Path) -> None:
     _expect_error(["--config", str(cfg)], out, capsys, "no_model", "does not exist", "model.name_or_path")
 
 
+def test_max_length_above_the_model_positions(case, capsys, tmp_path: Path) -> None:
+    """A long text with data.max_length above the tiny BERT's 128 positions crashed mid-run (size of tensor a
+    (300) must match the size of tensor b (128)) after the run directory was written."""
+    long_text = " ".join(["word"] * 400)
+    cfg, out = case({"data.max_length": 300}, data={"train.csv": GOOD_TRAIN + f"{long_text},pos\n"})
+    _expect_error(["--config", str(cfg)], out, capsys, "data.max_length=300", "128 token positions",
+                  "data.max_length=128", "data.chunk_stride")
+
+
+def test_position_limit_of_families() -> None:
+    """`finetune init` and prediction read the limit from a config: RoBERTa's table has two rows more than
+    its positions, DeBERTa-v3 (relative attention) and configs without positions have none."""
+    from transformers import AutoConfig
+
+    from finetune.model import position_limit
+
+    assert position_limit(AutoConfig.for_model("bert")) == 512
+    assert position_limit(AutoConfig.for_model("roberta", max_position_embeddings=514, pad_token_id=1)) == 512
+    assert position_limit(AutoConfig.for_model("gpt2")) == 1024
+    assert position_limit(AutoConfig.for_model("deberta-v2", position_biased_input=False)) is None
+    assert position_limit(AutoConfig.for_model("t5")) is None
+
+
 def test_non_empty_output_dir(case, capsys) -> None:
     cfg, out = case()
     out.mkdir()

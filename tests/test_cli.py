@@ -210,3 +210,57 @@ def test_predict_texts_feeds_text_pairs(tiny_run: Path) -> None:
             expected = model(**tok(text, pair, return_tensors="pt")).logits.softmax(-1)[0].tolist()
         assert list(row["probabilities"].values()) == pytest.approx(expected, abs=1e-5)
         assert list(single["probabilities"].values()) != pytest.approx(expected, abs=1e-7)
+
+
+@pytest.mark.parametrize("damage", ["weights_truncated", "tokenizer_gone", "tokenizer_json_gone", "config_gone"])
+def test_incomplete_final_is_one_line_naming_the_file(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    """predict, evaluate and export on a damaged final/: one line naming the file, exit 2. Before, truncated
+    weights gave a SafetensorError traceback and a final/ without its tokenizer files predicted with another
+    tokenizer, exit 0."""
+    import shutil
+
+    final = tmp_path / "final"
+    shutil.copytree(tiny_run / "final", final)
+    weights = final / "model.safetensors"
+    named = {"weights_truncated": weights, "tokenizer_gone": final / "tokenizer_config.json",
+             "tokenizer_json_gone": final / "tokenizer.json", "config_gone": final / "config.json"}[damage]
+    if damage == "weights_truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "tokenizer_gone":
+        for p in final.glob("tokenizer*"):
+            p.unlink()
+    else:
+        named.unlink()
+    (tmp_path / "in.txt").write_text("hello\n")
+    commands = {
+        "predict": ["predict", "--model", str(final), "--input", str(tmp_path / "in.txt"), "--output",
+                    str(tmp_path / "o.jsonl")],
+        "evaluate": ["evaluate", "--model", str(final), "--config", str(write_tiny_config(tmp_path))],
+        "export": ["export", "--onnx", str(final), str(tmp_path / "onnx")],
+    }  # fmt: skip
+    capsys.readouterr()
+    for name, argv in commands.items():
+        assert cli_main(argv) == 2, name
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("error: ") and str(named) in err[0], (name, err)
+    assert not (tmp_path / "o.jsonl").exists() and not (tmp_path / "onnx").exists()
+
+
+def test_predict_progress_is_plain_lines_in_a_log(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stderr not a terminal: predict's batches as plain lines (here one per batch), no carriage returns."""
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    inp = tmp_path / "in.txt"
+    inp.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "o.jsonl"
+    argv = ["predict", "--model", str(tiny_run / "final"), "--input", str(inp), "--output", str(out),
+            "--batch-size", "1"]
+    capsys.readouterr()
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line.split(" |")[0] for line in err.splitlines() if line.startswith("predict ")]
+    assert lines == ["predict 0/4", "predict 1/4", "predict 2/4", "predict 3/4", "predict 4/4"], err

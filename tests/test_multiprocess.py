@@ -49,8 +49,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_two(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
-    """`accelerate launch --multi_gpu --num_processes 2` of finetune/train.py on CPU (gloo)."""
+def _launch_two(config: Path, overrides: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch --multi_gpu --num_processes 2` of finetune/train.py on CPU (gloo), with a
+    test-only `fault` (finetune/faults.py) when given."""
     env = {
         **os.environ,
         "ACCELERATE_USE_CPU": "1",
@@ -59,6 +60,8 @@ def _launch_two(config: Path, overrides: list[str]) -> subprocess.CompletedProce
         "FINETUNE_DATA_DIR": str(DATA_DIR),
     }
     env.pop("FINETUNE_TEST_ONLY_FAULTS", None)  # an in-process run's fault injection stays in-process
+    if fault is not None:
+        env["FINETUNE_TEST_ONLY_FAULTS"] = fault
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -163,6 +166,33 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
     assert len((two / "metrics.jsonl").read_text().splitlines()) == len(
         (one / "metrics.jsonl").read_text().splitlines()
     )
+
+
+@needs_data
+def test_a_full_disk_on_one_rank_ends_every_rank_with_one_line(tmp_path: Path) -> None:
+    """The disk fills on rank 1 while rank 0 saves its share of the same checkpoint: every rank ends with
+    exit code 2 and the job prints one line. Before, rank 1 removed the temporary under rank 0, which
+    failed with a traceback of its own (exit 1); an out-of-memory error on one rank left the other in
+    DDP's all-reduce until gloo broke the connection (a traceback) or the launcher killed it (SIGTERM)."""
+    import time
+
+    run = tmp_path / "run"
+    started = time.monotonic()
+    proc = _launch_two(ROOT / "configs" / "tiny-debug.yaml",
+                       [f"run.output_dir={run}", "train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
+                        "data.max_train_samples=16", "data.max_eval_samples=8", "train.eval_every_steps=null",
+                        "checkpoint.every_steps=1"],
+                       fault="disk_full_in_save:1@1")  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: the disk is full"), proc.stderr[-3000:]
+    assert "[rank0]" not in proc.stderr and "[rank1]" not in proc.stderr, proc.stderr[-3000:]  # no rank's traceback
+    # the launcher's summary: both ranks exited by themselves, with the error's code (not -15: killed)
+    codes = [line.split(":")[1].split()[0] for line in proc.stderr.splitlines() if line.strip().startswith("exitcode")]
+    assert codes == ["2", "2"], proc.stderr[-3000:]
+    assert elapsed < 120, elapsed  # start-up included; the launcher's kill after SIGTERM alone waits 30 s
+    assert not (run / "checkpoints" / "step_00000001").exists()
 
 
 @needs_data

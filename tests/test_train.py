@@ -290,9 +290,18 @@ def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Pat
     assert all(0.0 < p["score"] <= 1.0 for p in preds)
 
 
-def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
+def test_trackers_tensorboard_and_mlflow(
+    tiny_config: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard, and MLflow for real (a local file store, offline): MLflow gets every row of metrics.jsonl
+    at its step and the resolved config as parameters, its run named after the run directory."""
+    import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from finetune.config import flat_config
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the file store needs no database: fastest here
     # with a test split: eval.json holds its metrics under `test`, the trackers get them too
     cfg = tiny_config(
         {
@@ -300,14 +309,16 @@ def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -
             "data.max_eval_samples": 16,
             "data.test_file": "sst2/dev.tsv",
             "train.log_every_steps": 1,
-            "log.trackers": ["tensorboard"],
+            "train.eval_every_steps": 1,
+            "log.trackers": ["tensorboard", "mlflow"],
         }
     )
     assert train_mod.main(["--config", str(cfg)]) == 0
-    ev = json.loads((tmp_path / "run" / "eval.json").read_text())
+    run = tmp_path / "run"
+    ev = json.loads((run / "eval.json").read_text())
     assert ev["test"]["num_samples"] == 16 and sum(map(sum, ev["test"]["confusion_matrix"])) == 16
     assert ev["test"]["confusion_matrix"] == ev["confusion_matrix"]  # the same 16 dev rows
-    events = sorted((tmp_path / "run").rglob("events.out.tfevents.*"))
+    events = sorted(run.rglob("events.out.tfevents.*"))
     assert events
     tags = set()
     for e in events:
@@ -315,6 +326,79 @@ def test_tensorboard_tracker(tiny_config: Callable[..., Path], tmp_path: Path) -
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
     assert {"loss", "lr", "eval_accuracy", "test_accuracy"} <= tags, tags
+
+    client = mlflow.tracking.MlflowClient()
+    (found,) = client.search_runs([client.get_experiment_by_name("finetune").experiment_id])
+    assert found.info.run_name == "run" and found.info.status == "FINISHED"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+                expected.setdefault(key, []).append((row["step"], float(value)))
+    assert {"loss", "lr", "samples_per_s", "eval_accuracy", "eval_loss"} <= set(expected)
+    for key, points in expected.items():
+        logged = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, key))
+        assert [s for s, _ in logged] == [s for s, _ in sorted(points)], key
+        assert [v for _, v in logged] == pytest.approx([v for _, v in sorted(points)], rel=1e-6), key
+    assert {m.key for m in client.get_metric_history(found.info.run_id, "test_accuracy")} == {"test_accuracy"}
+    params = found.data.params
+    resolved = flat_config(load_config(run / "config.yaml"))
+    assert params == {k: str(v) for k, v in resolved.items()}
+
+
+def test_tracker_without_its_package_is_one_line(
+    tiny_config: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """wandb is not installed here: Accelerate dropped the tracker without a word, and the run went on."""
+    from accelerate.utils import LoggerType
+
+    from finetune.config import LogConfig
+
+    # log.trackers offers every tracker of Accelerate's log_with (but "all")
+    offered = set(LogConfig.model_fields["trackers"].annotation.__args__[0].__args__)
+    assert offered == {t.value for t in LoggerType} - {"all"}
+    cfg = tiny_config({"log.trackers": ["tensorboard", "wandb"]})
+    assert train_mod.main(["--config", str(cfg)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "log.trackers: wandb needs the package wandb" in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(
+    tiny_config: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job log (stderr not a terminal) got tqdm's carriage-return frames, one per step and more: now a
+    plain line per interval (here 0 s: one per step) with step/total, elapsed, ETA, rate, loss and
+    samples/s; a terminal keeps tqdm's bar."""
+    import io
+
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")
+    cfg = tiny_config({"data.max_train_samples": 64, "train.log_every_steps": 1})
+    assert train_mod.main(["--config", str(cfg)]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("train ")]
+    assert [line.split(" |")[0] for line in lines] == ["train 0/2", "train 1/2", "train 2/2"], err
+    assert "elapsed 00:0" in lines[-1] and "ETA 00:00" in lines[-1] and "step/s" in lines[-1]
+    assert "loss=" in lines[-1] and "samples/s=" in lines[-1]
+
+    # the default interval: quick steps print the last line only; a terminal gets tqdm's frames
+    monkeypatch.delenv("TQDM_MININTERVAL")
+    log = io.StringIO()
+    with runtime.progress_bar(total=50, desc="train", file=log) as bar:
+        for _ in range(50):
+            bar.update(1)
+    assert log.getvalue().count("\n") == 1 and log.getvalue().startswith("train 50/50 |")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    with runtime.progress_bar(total=3, desc="train", file=term) as bar:
+        bar.update(3)
+    assert "\r" in term.getvalue() and "|" in term.getvalue()
 
 
 def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
