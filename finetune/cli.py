@@ -116,7 +116,7 @@ def _plan_grid(args: argparse.Namespace) -> int:
 
 
 def _load_classifier(model_dir: str) -> tuple[Any, Any]:
-    from finetune.checkpoint import load_final
+    from finetune.final import load_final
 
     return load_final(Path(model_dir))
 

@@ -1086,7 +1086,7 @@ class PackingCollator(Collator):
     and `segment_ids` (1.. per sequence in its row, 0 on padding) of shape (rows, C); `cls_index`
     (one flat index into rows x C per sequence, in sample order, where its first token sits);
     `sequence_lengths`; labels, weights and window size per sequence as in `Collator`. The model
-    side (`finetune.model.packed_logits`) turns `segment_ids` into the attention mask and pools
+    side (`finetune.packing.packed_logits`) turns `segment_ids` into the attention mask and pools
     at `cls_index`, so the logits equal those of the unpacked sequences.
     """
 
@@ -1136,7 +1136,7 @@ def build_train_loader(
     """The training DataLoader over global micro-batches, and its sampler (for set_epoch).
 
     With `data.packing` each process packs its share of a micro-batch into rows
-    (`PackingCollator`; `attention_cost` from `finetune.model.attention_cost`).
+    (`PackingCollator`; `attention_cost` from `finetune.packing.attention_cost`).
     """
     sampler = WindowedBatchSampler(
         ds["length"][:],

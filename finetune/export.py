@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune.checkpoint import check_final, load_final
 from finetune.errors import UserError
+from finetune.final import check_final, load_final
 
 logger = logging.getLogger("finetune")
 

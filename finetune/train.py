@@ -49,15 +49,12 @@ from finetune.metrics import (
     score,
 )
 from finetune.model import (
-    attention_cost,
     build_model,
     build_tokenizer,
     check_max_length,
-    check_packing,
     check_quantized_autocast,
     choose_pad_token,
     count_parameters,
-    packed_logits,
 )
 from finetune.optim import (
     build_optimizer,
@@ -67,6 +64,7 @@ from finetune.optim import (
     fold_clipping_into_step,
     planned_steps,
 )
+from finetune.packing import attention_cost, check_packing, packed_logits
 from finetune.planner import resolve_micro_batch
 from finetune.precision import (
     PrecisionMonitor,

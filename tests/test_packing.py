@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from finetune.config import load_config
 from finetune.data import Collator, PackingCollator, pack_rows
-from finetune.model import attention_cost, build_model, build_tokenizer, packed_logits
+from finetune.model import build_model, build_tokenizer
+from finetune.packing import attention_cost, packed_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
