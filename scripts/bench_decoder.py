@@ -1,0 +1,161 @@
+"""A real decoder (SmolLM2-135M, configs/sst2-smollm2.yaml) under finetune and under transformers.Trainer + peft.
+
+    HF_HUB_OFFLINE=1 python scripts/bench_decoder.py --rows 16000 --repeats 1 --json runs/bench_decoder.json
+    python scripts/bench_decoder.py --rows 960 --repeats 2          # a quick side by side
+
+Each contestant runs in its own child process (so that its peak RSS, `ru_maxrss`, is its own), one
+after the other and alternating (A B B A ...), on the same rows with the same hyper-parameters:
+- `finetune`: `finetune train --config configs/sst2-smollm2.yaml` (LoRA r 16 on every linear layer,
+  the score head in full), evaluation only at the end;
+- `trainer`: what a Trainer user writes: the same converted SmolLM2 folder, `get_peft_model` with the
+  same LoraConfig (task SEQ_CLS: peft trains the score head in full), `datasets.map` tokenization,
+  `DataCollatorWithPadding`, TrainingArguments defaults plus the shared hyper-parameters.
+samples/s is training time only (finetune: its loop's logged rate; Trainer: on_train_begin ->
+on_train_end); accuracy is on the SST-2 dev set (872 rows), both evaluated with the same code.
+Report the ratios: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+CONFIG = ROOT / "configs" / "sst2-smollm2.yaml"
+
+
+def overrides(out: Path, rows: int, seed: int) -> list[str]:
+    return [f"run.output_dir={out}", "run.overwrite=true", f"run.seed={seed}", f"data.max_train_samples={rows}",
+            "train.eval_every_steps=null", f"train.log_every_steps={10**9}", "checkpoint.every_steps=null"]  # fmt: skip
+
+
+def child_finetune(rows: int, seed: int) -> dict[str, Any]:
+    from finetune.train import main
+
+    with tempfile.TemporaryDirectory(prefix="bench-dec-ft-") as tmp:
+        run = Path(tmp) / "run"
+        assert main(["--config", str(CONFIG), *overrides(run, rows, seed)]) == 0
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        last = [r for r in metrics if "samples_per_s" in r][-1]
+        acc = json.loads((run / "eval.json").read_text())["accuracy"]
+    return {"samples_per_s": last["samples_per_s"], "padding_fraction": last.get("padding_fraction"), "accuracy": acc}
+
+
+def child_trainer(rows: int, seed: int) -> dict[str, Any]:
+    import math
+
+    from bench_vs_trainer import DevSet, _trainer_data, shared_hparams
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import (
+        AutoModelForSequenceClassification,
+        DataCollatorWithPadding,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        set_seed,
+    )
+
+    from finetune.config import load_config
+    from finetune.model import build_tokenizer, resolve_model_path
+    from finetune.optim import planned_steps
+
+    with tempfile.TemporaryDirectory(prefix="bench-dec-tr-") as tmp:
+        cfg = load_config(CONFIG, overrides(Path(tmp) / "unused", rows, seed))
+        tokenizer = build_tokenizer(cfg)
+        train_ds = _trainer_data(cfg, tokenizer)
+        t = cfg.train
+        micro, G = int(t.micro_batch_size), t.gradient_accumulation_steps
+        total = planned_steps(cfg, math.ceil(len(train_ds) / (micro * G)))[0]
+        set_seed(seed)
+        model = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(cfg.model.source or ""),
+                                                                   num_labels=2)  # fmt: skip
+        model.config.pad_token_id = tokenizer.pad_token_id
+        lora = cfg.model.lora
+        assert lora is not None
+        model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=lora.r, lora_alpha=lora.alpha,
+                                                 lora_dropout=lora.dropout, target_modules=lora.target_modules))
+        clock: dict[str, float] = {}
+
+        class Clock(TrainerCallback):
+            def on_train_begin(self, *a: Any, **k: Any) -> None:
+                clock["t0"] = time.perf_counter()
+
+            def on_train_end(self, *a: Any, **k: Any) -> None:
+                clock["t1"] = time.perf_counter()
+
+        targs = TrainingArguments(output_dir=tmp, report_to="none", save_strategy="no", disable_tqdm=True,
+                                  gradient_accumulation_steps=G, **shared_hparams(cfg, total))  # fmt: skip
+        trainer = Trainer(model=model, args=targs, train_dataset=train_ds,
+                          data_collator=DataCollatorWithPadding(tokenizer), callbacks=[Clock()])  # fmt: skip
+        trainer.train()
+        real = total_tok = 0
+        for batch in trainer.get_train_dataloader():
+            real += int(batch["attention_mask"].sum())
+            total_tok += batch["attention_mask"].numel()
+        acc = DevSet(cfg, tokenizer).accuracy(model)
+    return {"samples_per_s": len(train_ds) / (clock["t1"] - clock["t0"]), "padding_fraction": 1 - real / total_tok,
+            "accuracy": acc}  # fmt: skip
+
+
+def run_child(name: str, rows: int, seed: int) -> dict[str, Any]:
+    """One contestant in a fresh process; its result line plus its peak RSS."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, __file__, "--child", name, "--rows", str(rows), "--seed", str(seed),
+                        "--child-out", out.name], check=True)  # fmt: skip
+        result = json.loads(Path(out.name).read_text())
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=960, help="first N SST-2 training rows (16000: the demo budget)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--child", choices=["finetune", "trainer"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        result = (child_finetune if args.child == "finetune" else child_trainer)(args.rows, args.seed)
+        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        Path(args.child_out).write_text(json.dumps(result))
+        return 0
+    names = ["finetune", "trainer"]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for rep in range(args.repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            r = run_child(name, args.rows, args.seed)
+            runs[name].append(r)
+            print(f"[{rep + 1}/{args.repeats}] {name:8s} {json.dumps(r)}", flush=True)
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+    ratio = statistics.median(a["samples_per_s"] / b["samples_per_s"] for a, b in zip(*runs.values(), strict=True))
+    print(f"\n{args.rows} rows, seed {args.seed}, {args.repeats} repeat(s), torch threads: the config's\n")
+    print("| | samples/s | dev accuracy | peak RSS MiB | padding | wall s |\n|---|---|---|---|---|---|")
+    for n, s in med.items():
+        print(f"| {n} | {s['samples_per_s']:.2f} | {s['accuracy']:.4f} | {s['peak_rss_mib']:,.0f} | "
+              f"{s['padding_fraction']:.3f} | {s['wall_s']:.0f} |")  # fmt: skip
+    print(f"\nsamples/s finetune / trainer: {ratio:.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"runs": runs, "median": med, "ratio": ratio, "rows": args.rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
