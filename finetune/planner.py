@@ -13,7 +13,7 @@ The same `measure_window` runs on real tensors too (`finetune/planner.py` is wha
 
 Workarounds for what the primitives do not do out of the box (see docs/MEMORY.md):
 - MemTracker registers a gradient hook on every parameter and fails on frozen ones (LoRA, frozen
-  embeddings): `_Tracker` hooks only trainable parameters.
+  embeddings): `memory.PeakTracker` hooks only trainable parameters.
 - peft cannot build adapters under FakeTensorMode: the real model (adapters included) is built
   first, then its tensors are replaced by fake ones in place (`to_fake`).
 - This CPU-only torch build disables `torch.autocast("cuda")`: CUDA mixed precision is planned
@@ -30,7 +30,6 @@ Workarounds for what the primitives do not do out of the box (see docs/MEMORY.md
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -43,11 +42,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from finetune.config import Config, apply_overrides, validate_config
 from finetune.data import load_raw_splits
 from finetune.errors import UserError
+from finetune.memory import PeakTracker
 from finetune.model import build_model, build_tokenizer, classifier_of, head_names
 from finetune.optim import build_optimizer, effective_batch, micro_batch_ladder, resolve_batch
 from finetune.precision import apply_precision_policy, fp32_cross_entropy, within
@@ -144,38 +144,6 @@ def margin_bytes(peak_bytes: int, device: str) -> int:
 # Measuring one window.
 
 
-class _Tracker(MemTracker):
-    """MemTracker that puts gradient hooks only on trainable parameters.
-
-    MemTracker calls `param.register_hook` on every parameter it meets, which raises on a
-    parameter that does not require grad (LoRA's frozen base, frozen embeddings).
-    """
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        # the global peak only: MemTracker also walks every tracked module on every op to keep
-        # per-module peaks the planner never reads (O(ops x modules): minutes on a 24-layer model)
-        for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
-
-    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
-        mem = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-        if install_grad_hooks:
-            for param in module.parameters():
-                if not param.requires_grad or self._param_to_grad_hook_handles.get(param, None) is not None:
-                    continue
-
-                def on_grad(grad: torch.Tensor) -> None:  # a tensor hook must return None
-                    self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-                self._param_to_grad_hook_handles[param] = (
-                    param.register_hook(on_grad),
-                    param.register_post_accumulate_grad_hook(lambda p: on_grad(p.grad)),
-                )
-        return mem
-
-
 @dataclass
 class Measurement:
     """Peak bytes of one optimizer window and its split by category (at the moment of the peak)."""
@@ -253,7 +221,7 @@ def measure_window(
     with kernels:
         # the first window only creates the optimizer state: one micro-step does
         run_window(model, optimizer, [make_batch()], autocast, max_grad_norm)
-        tracker = _Tracker()
+        tracker = PeakTracker()
         tracker.track_external(model, optimizer)
         with tracker:
             run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm, tracker)
@@ -924,8 +892,10 @@ def plan_grid(
 def format_grid(cells: list[GridCell], cfg: Config, device: str, notes: list[str]) -> str:
     """The grid as a table: one row per setting, one column per (length, micro-batch), MiB with margin."""
     m = cfg.model
-    source = m.name_or_path if m.architecture is None else "architecture from config"
-    dims = m.architecture or m.plan_architecture or {}
+    source = m.source if m.architecture is None else "architecture from config"
+    dims = m.architecture or m.plan_architecture
+    # a model without given dimensions is planned from its config.json on the meta device
+    how = f"{dims.get('model_type', '?')}, planned from its dimensions" if dims else "planned from its config.json"
     cols = sorted({(c.seq_len, c.micro_batch_size) for c in cells})
     head = ["setting", *(f"L{length} x{micro}" for length, micro in cols)]
     table = [head]
@@ -934,7 +904,7 @@ def format_grid(cells: list[GridCell], cfg: Config, device: str, notes: list[str
         table.append([name, *(f"{by[k].peak_bytes_with_margin / MiB:,.0f}" for k in cols)])
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     lines = [
-        f"memory grid: {source} ({dims.get('model_type', '')}, planned from its dimensions: nothing allocated), "
+        f"memory grid: {source} ({how}: nothing allocated), "
         f"device {device}, optimizer {cfg.train.optimizer}, gradient checkpointing "
         f"{'on' if m.gradient_checkpointing else 'off'}, LoRA {'r=' + str(m.lora.r) if m.lora else 'r=16'}",
         f"peak MiB{' with margin (CUDA context + allocator)' if device == 'cuda' else ''} of one optimizer window; "

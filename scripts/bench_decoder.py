@@ -7,6 +7,8 @@ Each contestant runs in its own child process (so that its peak RSS, `ru_maxrss`
 after the other and alternating (A B B A ...), on the same rows with the same hyper-parameters:
 - `finetune`: `finetune train --config configs/sst2-smollm2.yaml` (LoRA r 16 on every linear layer,
   the score head in full), evaluation only at the end;
+- `minilm`: the same rows through the demo's config (configs/sst2-minilm.yaml, all-MiniLM-L6-v2, full
+  fine-tuning), for scale;
 - `trainer`: what a Trainer user writes: the same converted SmolLM2 folder, `get_peft_model` with the
   same LoraConfig (task SEQ_CLS: peft trains the score head in full), `datasets.map` tokenization,
   `DataCollatorWithPadding`, TrainingArguments defaults plus the shared hyper-parameters.
@@ -43,12 +45,12 @@ def overrides(out: Path, rows: int, seed: int) -> list[str]:
             "train.eval_every_steps=null", f"train.log_every_steps={10**9}", "checkpoint.every_steps=null"]  # fmt: skip
 
 
-def child_finetune(rows: int, seed: int) -> dict[str, Any]:
+def child_finetune(rows: int, seed: int, config: Path = CONFIG) -> dict[str, Any]:
     from finetune.train import main
 
     with tempfile.TemporaryDirectory(prefix="bench-dec-ft-") as tmp:
         run = Path(tmp) / "run"
-        assert main(["--config", str(CONFIG), *overrides(run, rows, seed)]) == 0
+        assert main(["--config", str(config), *overrides(run, rows, seed)]) == 0
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         last = [r for r in metrics if "samples_per_s" in r][-1]
         acc = json.loads((run / "eval.json").read_text())["accuracy"]
@@ -111,6 +113,13 @@ def child_trainer(rows: int, seed: int) -> dict[str, Any]:
             "accuracy": acc}  # fmt: skip
 
 
+CHILDREN = {
+    "finetune": child_finetune,
+    "minilm": lambda rows, seed: child_finetune(rows, seed, ROOT / "configs" / "sst2-minilm.yaml"),
+    "trainer": child_trainer,
+}
+
+
 def run_child(name: str, rows: int, seed: int) -> dict[str, Any]:
     """One contestant in a fresh process; its result line plus its peak RSS."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -128,15 +137,15 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--child", choices=["finetune", "trainer"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=list(CHILDREN), default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        result = (child_finetune if args.child == "finetune" else child_trainer)(args.rows, args.seed)
+        result = CHILDREN[args.child](args.rows, args.seed)
         result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         Path(args.child_out).write_text(json.dumps(result))
         return 0
-    names = ["finetune", "trainer"]
+    names = list(CHILDREN)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for rep in range(args.repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
@@ -144,7 +153,8 @@ def main() -> int:
             runs[name].append(r)
             print(f"[{rep + 1}/{args.repeats}] {name:8s} {json.dumps(r)}", flush=True)
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
-    ratio = statistics.median(a["samples_per_s"] / b["samples_per_s"] for a, b in zip(*runs.values(), strict=True))
+    ratio = statistics.median(a["samples_per_s"] / b["samples_per_s"]
+                              for a, b in zip(runs["finetune"], runs["trainer"], strict=True))
     print(f"\n{args.rows} rows, seed {args.seed}, {args.repeats} repeat(s), torch threads: the config's\n")
     print("| | samples/s | dev accuracy | peak RSS MiB | padding | wall s |\n|---|---|---|---|---|---|")
     for n, s in med.items():
