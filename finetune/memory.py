@@ -43,6 +43,7 @@ REPORT_KEYS = (
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    t = getattr(t, "_local_tensor", t)  # FSDP2's DTensor: this rank's shard is what it holds
     return t.numel() * t.element_size()
 
 
@@ -107,16 +108,45 @@ def _memtracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any
 
     MemTracker registers a gradient hook on every parameter it meets in forward and raises
     "cannot register a hook on a tensor that doesn't require gradient" on frozen ones (LoRA,
-    frozen embeddings). Marking those as already hooked skips them; they have no gradient.
+    frozen embeddings). Marking those as already hooked skips them; they have no gradient. Under
+    FSDP2 the parameters met in forward are the unsharded copies, new tensors each time: frozen
+    ones are recognised by `requires_grad` when MemTracker looks them up.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class FrozenSkipped(WeakIdKeyDictionary):
+        """Frozen parameters count as hooked, also those FSDP2 unshards anew for every forward."""
+
+        def get(self, key: Any, default: Any = None) -> Any:
+            if isinstance(key, torch.Tensor) and not key.requires_grad:
+                return (_NoHandle(), _NoHandle())
+            return super().get(key, default)
+
     mt = MemTracker()
-    for p in model.parameters():
-        if not p.requires_grad:
-            mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+    mt._param_to_grad_hook_handles = FrozenSkipped()
     mt.track_external(model, getattr(optimizer, "optimizer", optimizer))
     return mt
+
+
+RANK_KEYS = ("peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
+             "temporaries_bytes")
+
+
+def every_rank(rep: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Each rank's measured peak and split, in rank order (None with one process).
+
+    A collective: every rank reports at the same step. Under FSDP the ranks hold different shards
+    (an uneven split), and the planner's per-rank prediction is checked against each of them.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {k: rep.get(k) for k in RANK_KEYS})
+    return ranks
 
 
 class MemoryMonitor:
@@ -321,6 +351,7 @@ class MemoryMonitor:
         if "error" in sample:
             rep["breakdown_method"] += f"; MemTracker failed: {sample['error']}"
         self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
+        rep["ranks"] = every_rank(rep)
         return rep
 
     def write(self, rep: dict[str, Any], directory: Path, metrics_file: Path | None = None) -> None:
