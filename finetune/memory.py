@@ -113,7 +113,6 @@ def _memtracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any
     ones are recognised by `requires_grad` when MemTracker looks them up.
     """
     from torch.distributed._tools.mem_tracker import MemTracker
-
     from torch.utils.weak import WeakIdKeyDictionary
 
     class FrozenSkipped(WeakIdKeyDictionary):

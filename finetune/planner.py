@@ -614,10 +614,10 @@ def predict_peak(
             )
 
 
-def fsdp_units(model: nn.Module) -> list[tuple[int, int]]:
-    """(parameter bytes, trainable bytes) of each unit FSDP2 gathers at once, as Accelerate wraps a model:
-    every block of its layer list (the longest `nn.ModuleList`: BertLayer, LlamaDecoderLayer, ...), the
-    input embeddings, and the root holding the rest (the head)."""
+def fsdp_units(model: nn.Module) -> list[int]:
+    """Parameter bytes of each unit FSDP2 gathers at once, as Accelerate wraps a model: every block of
+    its layer list (the longest `nn.ModuleList`: BertLayer, LlamaDecoderLayer, ...), the input
+    embeddings, and the root holding the rest (the head)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     blocks = list(max(lists, key=len)) if lists else []
     embeddings = getattr(classifier_of(model), "get_input_embeddings", lambda: None)()
@@ -626,20 +626,20 @@ def fsdp_units(model: nn.Module) -> list[tuple[int, int]]:
     for unit in [*blocks, *([embeddings] if embeddings is not None else []), model]:
         params = [p for p in unit.parameters() if id(p) not in owned]
         owned.update(id(p) for p in params)
-        units.append((sum(p.numel() * p.element_size() for p in params),
-                      sum(p.numel() * p.element_size() for p in params if p.requires_grad)))
+        units.append(sum(p.numel() * p.element_size() for p in params))
     return units
 
 
-def shard_measurement(m: Measurement, units: list[tuple[int, int]], shards: int) -> Measurement:
+def shard_measurement(m: Measurement, units: list[int], shards: int) -> Measurement:
     """One FSDP rank's peak from the one-process plan: parameters, gradients and optimizer state
-    divided by the shard count, plus the largest unit gathered whole (its parameters, all-gathered
-    for forward and backward, and its unsharded gradients before the reduce-scatter)."""
+    divided by the shard count, plus the largest unit gathered whole twice (FSDP2's all-gather output
+    and the unsharded parameters it is copied into). A unit's unsharded gradient, before its
+    reduce-scatter, is the gradient one process holds anyway (among its temporaries or gradients).
+    Measured on 2 CPU processes (docs/MEMORY.md): full fine-tuning and LoRA within 3% on each rank."""
     c = dict(m.categories)
     for k in ("parameters", "gradients", "optimizer_state"):
         c[k] = -(-c[k] // shards)
-    gathered, unsharded_grads = max(units)
-    c["temporaries"] += gathered + unsharded_grads
+    c["temporaries"] += 2 * max(units)
     return Measurement(sum(c.values()), c)
 
 
@@ -682,7 +682,7 @@ def plan(
     return Plan(device, E, num_processes, cfg.data.max_length, budget, rows, notes)
 
 
-def planned_units(cfg: Config, label_names: list[str], tokenizer: Any, shards: int, notes: list[str]) -> list:
+def planned_units(cfg: Config, label_names: list[str], tokenizer: Any, shards: int, notes: list[str]) -> list[int]:
     """FSDP's units of the configured model (fake tensors), with a note; none with one shard."""
     if shards <= 1:
         return []
@@ -690,7 +690,7 @@ def planned_units(cfg: Config, label_names: list[str], tokenizer: Any, shards: i
         model, _ = build_for_planning(cfg, label_names, tokenizer, FakeTensorMode(allow_non_fake_inputs=False))
     units = fsdp_units(model)
     notes.append(f"FSDP, {shards} shards: parameters, gradients and optimizer state per rank, plus the largest "
-                 f"unit gathered whole ({max(units)[0] / MiB:,.1f} MiB of parameters)")
+                 f"unit gathered whole, twice ({max(units) / MiB:,.1f} MiB of parameters)")
     return units
 
 

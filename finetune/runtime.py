@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.optim import smaller_micro_batch
-from finetune.precision import accelerate_mixed_precision, check_supported
+from finetune.precision import accelerate_mixed_precision, check_supported, fp32_norms_enabled
 
 logger = logging.getLogger("finetune")
 
@@ -103,8 +103,9 @@ def build_accelerator(cfg: Config) -> Accelerator:
 
     Raises:
         UserError: the launch config contradicts the run config (accumulation, dynamo), the
-            precision mode is not supported on this device, a tracker's package is missing, or
-            FSDP was asked for with a setting it cannot run (`check_fsdp`).
+            precision mode is not supported on this device, a tracker's package is missing, a
+            launch of several processes reached Accelerate as one, or FSDP was asked for with a
+            setting it cannot run (`check_fsdp`).
     """
     check_launch_dynamo(cfg)
     check_trackers(cfg.log.trackers)
@@ -123,6 +124,14 @@ def build_accelerator(cfg: Config) -> Accelerator:
         project_dir=cfg.run.output_dir,
     )
     check_supported(cfg.precision.mode, accelerator.device)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and accelerator.num_processes == 1:
+        # seen on a CPU-only machine: a launch without ACCELERATE_USE_CPU=1, and DeepSpeed's CPU accelerator
+        raise UserError(
+            f"launched as {world} processes, but Accelerate sees 1 ({accelerator.distributed_type}): each would train "
+            "alone into the same run directory; on a CPU-only machine set ACCELERATE_USE_CPU=1 (DDP or FSDP; "
+            "DeepSpeed does not run on CPU here, docs/SCALING.md)"
+        )
     enable_fsdp_on_cpu(accelerator)
     check_fsdp(cfg, accelerator)
     watch_other_ranks()
@@ -179,13 +188,13 @@ def check_fsdp(cfg: Config, accelerator: Accelerator) -> None:
 
     if accelerator.distributed_type != DistributedType.FSDP:
         return
-    if cfg.precision.mode == "bf16-true" and cfg.precision.fp32_norms:
+    if cfg.precision.mode == "bf16-true" and fp32_norms_enabled(cfg.precision.mode, cfg.precision.fp32_norms):
         # fully_shard flattens each wrapped block into one group of one dtype: torch raises "FSDP expects
         # uniform original parameter dtype but got {torch.bfloat16, torch.float32}" at the first forward
         raise UserError(
-            "precision.mode=bf16-true with precision.fp32_norms=true cannot run under FSDP (FSDP2 shards a block's "
-            "parameters as one group of one dtype; fp32 norms inside bf16 blocks mix two); use precision.mode=bf16 "
-            "(fp32 weights, bf16 compute) or precision.fp32_norms=false"
+            "precision.mode=bf16-true with fp32 norms (precision.fp32_norms, on by default) cannot run under FSDP "
+            "(FSDP2 shards a block's parameters as one group of one dtype; fp32 norms inside bf16 blocks mix two); "
+            "use precision.mode=bf16 (fp32 weights, bf16 compute) or precision.fp32_norms=false"
         )
     if cfg.model.quantization is not None:
         raise UserError(
