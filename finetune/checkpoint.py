@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import transformers
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -516,6 +517,38 @@ def find_resume_checkpoint(
     return found
 
 
+def state_layout(path: Path) -> str:
+    """How a checkpoint holds the model: as Accelerate's `save_state` wrote it under FSDP or not."""
+    if (path / "pytorch_model_fsdp_0").is_dir():
+        return "FSDP sharded state dict"
+    if (path / "pytorch_model_fsdp.bin").is_file():
+        return "FSDP full state dict"
+    return "whole model (one process or DDP)"
+
+
+def launch_layout(accelerator: Accelerator) -> str:
+    """The layout this launch's `save_state` writes and `load_state` reads (see `state_layout`)."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return "whole model (one process or DDP)"
+    sharded = "SHARDED" in str(accelerator.state.fsdp_plugin.state_dict_type)
+    return "FSDP sharded state dict" if sharded else "FSDP full state dict"
+
+
+def check_state_layout(path: Path, accelerator: Accelerator) -> None:
+    """Refuse to resume a checkpoint that this launch's `load_state` cannot read.
+
+    Raises:
+        UserError: the checkpoint was written with FSDP and this launch has none, or the reverse, or
+            with the other FSDP state dict type (Accelerate would fail on a missing file).
+    """
+    saved, now = state_layout(path), launch_layout(accelerator)
+    if saved != now:
+        raise UserError(
+            f"checkpoint.resume: {path} holds the {saved}, but this launch reads the {now}; resume it with the "
+            "Accelerate config that wrote it (distributed_type, fsdp_state_dict_type)"
+        )
+
+
 def load_checkpoint(accelerator: Accelerator, path: Path) -> TrainingProgress:
     """Restore model, optimizer, scheduler, scaler and RNG states; return progress.json."""
     accelerator.load_state(str(path))
@@ -602,13 +635,20 @@ def load_best_weights(accelerator: Accelerator, model: torch.nn.Module, run_dir:
     """`checkpoint.export=best`: put the best checkpoint's weights into `model` before the export.
 
     Loads into the unwrapped model on every process, whatever wrapper prefix the checkpoint's keys
-    carry (a DDP run saves `module.`-prefixed keys); returns the checkpoint, None when no
+    carry (a DDP run saves `module.`-prefixed keys), or under FSDP through Accelerate's FSDP loader
+    (each rank takes its shard); returns the checkpoint, None when no
     checkpoint has its own evaluation (final/ then holds the last weights).
     """
     best = best_checkpoint(run_dir, metric)
     if best is None:
         logger.warning(f"warning: no checkpoint has its own evaluation of {metric}: final/ holds the last weights")
         return None
+    if accelerator.distributed_type == DistributedType.FSDP:  # sharded parameters: Accelerate's own loader
+        from accelerate.utils import load_fsdp_model
+
+        load_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, str(best))
+        logger.info(f"final/ holds the best checkpoint by {metric}: {best.name} ({_own_metric(best, metric)})")
+        return best
     # safetensors names devices as torch does except CPU: a multi-process CPU (gloo) run's device is
     # "cpu:0", which it refuses; CPU tensors load as "cpu"
     device = accelerator.device

@@ -40,6 +40,10 @@ def _cmd_plan(argv: list[str]) -> int:
         "--num-processes", type=int, default=1, help="processes sharing the effective batch (default 1)"
     )
     parser.add_argument(
+        "--fsdp", action="store_true",
+        help="plan one FSDP rank: parameters, gradients and optimizer state sharded over --num-processes",
+    )
+    parser.add_argument(
         "--micro",
         type=int,
         nargs="+",
@@ -78,7 +82,8 @@ def _cmd_plan(argv: list[str]) -> int:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the model is built once per ladder row
-    p = plan(cfg, args.device, args.budget_gb, args.micro, args.num_processes)
+    p = plan(cfg, args.device, args.budget_gb, args.micro, args.num_processes,
+             shards=args.num_processes if args.fsdp else 1)
     print(plan_json(p) if args.json else format_plan(p, cfg))
     return 0
 

@@ -44,6 +44,7 @@ REPORT_KEYS = (
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    t = getattr(t, "_local_tensor", t)  # FSDP2's DTensor: this rank's shard is what it holds
     return t.numel() * t.element_size()
 
 
@@ -101,7 +102,8 @@ class PeakTracker(MemTracker):
     the global peak only.
 
     MemTracker calls `param.register_hook` on every parameter it meets, which raises on a frozen
-    one (LoRA's base, frozen embeddings). Its peak update also walks every module's statistics
+    one (LoRA's base, frozen embeddings; under FSDP2 also the unsharded copies made anew for every
+    forward, recognised here by `requires_grad` too). Its peak update also walks every module's statistics
     after every op and deep-copies a snapshot whenever one rises (O(ops x modules): a 30-layer
     decoder's sampled window ran tens of times slower than an untracked one); the report and the
     planner read the global peak snapshot alone, kept here as MemTracker keeps it.
@@ -137,6 +139,25 @@ def _memtracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any
     mt = PeakTracker()
     mt.track_external(model, getattr(optimizer, "optimizer", optimizer))
     return mt
+
+
+RANK_KEYS = ("peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
+             "temporaries_bytes")
+
+
+def every_rank(rep: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Each rank's measured peak and split, in rank order (None with one process).
+
+    A collective: every rank reports at the same step. Under FSDP the ranks hold different shards
+    (an uneven split), and the planner's per-rank prediction is checked against each of them.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {k: rep.get(k) for k in RANK_KEYS})
+    return ranks
 
 
 class MemoryMonitor:
@@ -341,6 +362,7 @@ class MemoryMonitor:
         if "error" in sample:
             rep["breakdown_method"] += f"; MemTracker failed: {sample['error']}"
         self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
+        rep["ranks"] = every_rank(rep)
         return rep
 
     def write(self, rep: dict[str, Any], directory: Path, metrics_file: Path | None = None) -> None:

@@ -582,6 +582,35 @@ def predict_peak(
             )
 
 
+def fsdp_units(model: nn.Module) -> list[int]:
+    """Parameter bytes of each unit FSDP2 gathers at once, as Accelerate wraps a model: every block of
+    its layer list (the longest `nn.ModuleList`: BertLayer, LlamaDecoderLayer, ...), the input
+    embeddings, and the root holding the rest (the head)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    blocks = list(max(lists, key=len)) if lists else []
+    embeddings = getattr(classifier_of(model), "get_input_embeddings", lambda: None)()
+    owned: set[int] = set()
+    units = []
+    for unit in [*blocks, *([embeddings] if embeddings is not None else []), model]:
+        params = [p for p in unit.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in params)
+        units.append(sum(p.numel() * p.element_size() for p in params))
+    return units
+
+
+def shard_measurement(m: Measurement, units: list[int], shards: int) -> Measurement:
+    """One FSDP rank's peak from the one-process plan: parameters, gradients and optimizer state
+    divided by the shard count, plus the largest unit gathered whole twice (FSDP2's all-gather output
+    and the unsharded parameters it is copied into). A unit's unsharded gradient, before its
+    reduce-scatter, is the gradient one process holds anyway (among its temporaries or gradients).
+    Measured on 2 CPU processes (docs/MEMORY.md): full fine-tuning and LoRA within 3% on each rank."""
+    c = dict(m.categories)
+    for k in ("parameters", "gradients", "optimizer_state"):
+        c[k] = -(-c[k] // shards)
+    c["temporaries"] += 2 * max(units)
+    return Measurement(sum(c.values()), c)
+
+
 def plan(
     cfg: Config,
     device: str | None = None,
@@ -590,8 +619,10 @@ def plan(
     num_processes: int = 1,
     tokenizer: Any = None,
     label_names: list[str] | None = None,
+    shards: int = 1,
 ) -> Plan:
-    """Predict the peak of a training window for each micro-batch size of the ladder."""
+    """Predict the peak of a training window for each micro-batch size of the ladder (per FSDP rank
+    with `shards` > 1: `shard_measurement`)."""
     device = device or default_device()
     notes = check_plannable(cfg, device)
     budget_gb = budget_gb if budget_gb is not None else cfg.memory.budget_gb
@@ -604,10 +635,12 @@ def plan(
         tokenizer, note = planning_tokenizer(cfg)
         notes += [note] if note else []
     label_names = label_names or label_names_cheaply(cfg)
+    units = planned_units(cfg, label_names, tokenizer, shards, notes)
     rows = []
     for micro in sizes:
         G = max(1, per_process // micro)
         m = predict_peak(cfg, micro, G, tokenizer, label_names, device=device)
+        m = shard_measurement(m, units, shards) if units else m
         with_margin = m.peak_bytes + margin_bytes(m.peak_bytes, device)
         rows.append(
             PlanRow(
@@ -615,6 +648,18 @@ def plan(
             )
         )
     return Plan(device, E, num_processes, cfg.data.max_length, budget, rows, notes)
+
+
+def planned_units(cfg: Config, label_names: list[str], tokenizer: Any, shards: int, notes: list[str]) -> list[int]:
+    """FSDP's units of the configured model (fake tensors), with a note; none with one shard."""
+    if shards <= 1:
+        return []
+    with torch.random.fork_rng(devices=[]):
+        model, _ = build_for_planning(cfg, label_names, tokenizer, FakeTensorMode(allow_non_fake_inputs=False))
+    units = fsdp_units(model)
+    notes.append(f"FSDP, {shards} shards: parameters, gradients and optimizer state per rank, plus the largest "
+                 f"unit gathered whole, twice ({max(units) / MiB:,.1f} MiB of parameters)")
+    return units
 
 
 def format_plan(p: Plan, cfg: Config) -> str:
@@ -713,7 +758,7 @@ def measure_real(
 
 
 def choose_micro_batch(
-    cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]
+    cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str], shards: int = 1
 ) -> tuple[int, int, dict[str, int]]:
     """`train.micro_batch_size: auto`: the largest micro-batch whose planned peak (with margin)
     fits `memory.budget_gb`; accumulation makes up `train.batch_size`. Returns the plan's categories too.
@@ -725,10 +770,12 @@ def choose_micro_batch(
     check_plannable(cfg, device)
     budget = int(cfg.memory.budget_gb * GiB)
     per_process = cfg.train.batch_size // num_processes
+    units = planned_units(cfg, label_names, tokenizer, shards, [])
     smallest = None
     for micro in reversed(micro_batch_ladder(per_process)):  # the peak grows with the micro-batch
         G = per_process // micro
         m = predict_peak(cfg, micro, G, tokenizer, label_names, device=device)
+        m = shard_measurement(m, units, shards) if units else m
         need = m.peak_bytes + margin_bytes(m.peak_bytes, device)
         logger.info(
             f"memory plan: micro-batch {micro} x accumulation {G}: {need / MiB:,.0f} MiB planned on {device} (budget "
@@ -745,14 +792,14 @@ def choose_micro_batch(
 
 
 def resolve_micro_batch(
-    cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str]
+    cfg: Config, num_processes: int, device: str, tokenizer: Any, label_names: list[str], shards: int = 1
 ) -> tuple[int, int, dict[str, int] | None]:
     """(micro-batch, accumulation) per process: explicit, derived from `train.batch_size`, or planned
-    (auto, then with the plan's bytes per category for the memory report)."""
+    (auto, then with the plan's bytes per category for the memory report; per FSDP rank with `shards`)."""
     micro, G, _ = resolve_batch(cfg, num_processes)
     planned = None
     if micro is None:
-        micro, G, planned = choose_micro_batch(cfg, num_processes, device, tokenizer, label_names)
+        micro, G, planned = choose_micro_batch(cfg, num_processes, device, tokenizer, label_names, shards)
         logger.info(
             f"train.micro_batch_size=auto: micro-batch {micro} x accumulation {G} x {num_processes} process(es) = "
             f"{cfg.train.batch_size}"

@@ -564,6 +564,8 @@ class PrecisionMonitor:
         if not self.checks_grads:
             return True  # fp16: the GradScaler skips the step and lowers the scale
         bad = ~torch.isfinite(window_loss.detach().float())
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm; its value is the same on every rank
+            grad_norm = grad_norm.full_tensor()
         if grad_norm is not None:
             bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=bad.device).float())
         if self.num_processes > 1:  # every rank must take the same decision

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.optim import smaller_micro_batch
-from finetune.precision import accelerate_mixed_precision, check_supported
+from finetune.precision import accelerate_mixed_precision, check_supported, fp32_norms_enabled
 
 logger = logging.getLogger("finetune")
 
@@ -103,7 +103,9 @@ def build_accelerator(cfg: Config) -> Accelerator:
 
     Raises:
         UserError: the launch config contradicts the run config (accumulation, dynamo), the
-            precision mode is not supported on this device, or a tracker's package is missing.
+            precision mode is not supported on this device, a tracker's package is missing, a
+            launch of several processes reached Accelerate as one, or FSDP was asked for with a
+            setting it cannot run (`check_fsdp`).
     """
     check_launch_dynamo(cfg)
     check_trackers(cfg.log.trackers)
@@ -122,6 +124,16 @@ def build_accelerator(cfg: Config) -> Accelerator:
         project_dir=cfg.run.output_dir,
     )
     check_supported(cfg.precision.mode, accelerator.device)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and accelerator.num_processes == 1:
+        # seen on a CPU-only machine: a launch without ACCELERATE_USE_CPU=1, and DeepSpeed's CPU accelerator
+        raise UserError(
+            f"launched as {world} processes, but Accelerate sees 1 ({accelerator.distributed_type}): each would train "
+            "alone into the same run directory; on a CPU-only machine set ACCELERATE_USE_CPU=1 (DDP or FSDP; "
+            "DeepSpeed does not run on CPU here, docs/SCALING.md)"
+        )
+    enable_fsdp_on_cpu(accelerator)
+    check_fsdp(cfg, accelerator)
     watch_other_ranks()
     if accelerator.gradient_accumulation_steps != cfg.train.gradient_accumulation_steps:
         # ACCELERATE_GRADIENT_ACCUMULATION_STEPS (set by `accelerate launch` from a DeepSpeed
@@ -132,6 +144,64 @@ def build_accelerator(cfg: Config) -> Accelerator:
             "(remove gradient_accumulation_steps from the Accelerate/DeepSpeed config)"
         )
     return accelerator
+
+
+def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """Turn a CPU (gloo) launch that asked for FSDP into FSDP2 through Accelerate's own FSDP code.
+
+    Accelerate's AcceleratorState enables FSDP for GPU-like devices only: on CPU it keeps
+    MULTI_CPU (plain DDP) without a word, although torch's `fully_shard` runs on CPU with gloo.
+    Setting the state's plugin and type is all its FSDP branch does for fp32.
+
+    Raises:
+        UserError: the launch asks for FSDP1, which needs a GPU.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = accelerator.state
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    if state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables `accelerate launch` exported
+    if plugin.fsdp_version != 2:
+        # FSDP1 asks for a device at wrap time: "RuntimeError: There are currently no available devices
+        # found, must be one of 'XPU', 'CUDA', 'MLU', 'NPU', 'MUSA', or 'HPU'."
+        raise UserError(f"FSDP version {plugin.fsdp_version} cannot run on CPU (torch's FullyShardedDataParallel "
+                        "needs a GPU); set fsdp_version: 2 in the Accelerate config "
+                        "(configs/accelerate/fsdp-cpu.yaml)")
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def check_fsdp(cfg: Config, accelerator: Accelerator) -> None:
+    """Refuse under FSDP what cannot run sharded, before anything is built or written.
+
+    Raises:
+        UserError: bf16-true with fp32 norms, or a quantized base (QLoRA), under FSDP.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    if cfg.precision.mode == "bf16-true" and fp32_norms_enabled(cfg.precision.mode, cfg.precision.fp32_norms):
+        # fully_shard flattens each wrapped block into one group of one dtype: torch raises "FSDP expects
+        # uniform original parameter dtype but got {torch.bfloat16, torch.float32}" at the first forward
+        raise UserError(
+            "precision.mode=bf16-true with fp32 norms (precision.fp32_norms, on by default) cannot run under FSDP "
+            "(FSDP2 shards a block's parameters as one group of one dtype; fp32 norms inside bf16 blocks mix two); "
+            "use precision.mode=bf16 (fp32 weights, bf16 compute) or precision.fp32_norms=false"
+        )
+    if cfg.model.quantization is not None:
+        raise UserError(
+            f"model.quantization={cfg.model.quantization} (QLoRA) cannot run under FSDP here: the quantized base "
+            "is loaded per process by bitsandbytes and is not sharded; train it on one process (or use model.lora "
+            "without quantization under FSDP)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

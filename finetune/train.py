@@ -192,7 +192,8 @@ def train(
     notes = [pad_note] if pad_note else []  # logged once the run directory's train.log exists
     model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer, train_targets(data), notes)
     P = accelerator.num_processes
-    micro, G, planned = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names)
+    micro, G, planned = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names,
+                                            shards=P if accelerator.distributed_type == "FSDP" else 1)
     accelerator.gradient_accumulation_steps = G
     attn_cost = attention_cost(model)  # packing: how much a longer row costs in attention
     train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P, attn_cost)
@@ -320,12 +321,16 @@ def find_resume(cfg: Config, accelerator: Accelerator, run_dir: Path, data: Data
     replacement never landed is renamed back, so resume finds the newest checkpoint.
 
     Raises:
-        UserError: the checkpoint is incomplete or belongs to another config or other data.
+        UserError: the checkpoint is incomplete, belongs to another config or other data, or was
+            saved in a layout this launch cannot load (with FSDP or without).
     """
     if cfg.checkpoint.resume is not None and run_dir.is_dir() and accelerator.is_main_process:
         ckpt.cleanup_stale(run_dir)
     accelerator.wait_for_everyone()
-    return ckpt.find_resume_checkpoint(cfg.checkpoint.resume, run_dir, cfg.model_dump(mode="json"), data.sha256)
+    found = ckpt.find_resume_checkpoint(cfg.checkpoint.resume, run_dir, cfg.model_dump(mode="json"), data.sha256)
+    if found is not None:
+        ckpt.check_state_layout(found, accelerator)  # FSDP's files or a whole model: what load_state reads
+    return found
 
 
 def prepare_run_dir(
@@ -454,7 +459,8 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
             acc.backward(loss)
         if run.oom.hit:
             if P > 1:  # the other processes are in this step's collectives: no rank may redo it alone
-                raise UserError(f"out of memory on one of {P} processes ({run.oom.message}); lower "
+                raise UserError(f"out of memory on one of {P} processes ({run.oom.message}); the micro-batch "
+                                "backoff runs on one process only (DDP and FSDP ranks share every step); lower "
                                 "train.micro_batch_size (same train.batch_size) and resume with checkpoint.resume=auto")
             return "out_of_memory"
         lengths = batch["sequence_lengths"] if cfg.data.packing else batch["attention_mask"].sum(-1)
@@ -581,7 +587,8 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     progress.eval["step"] = progress.step
     ckpt.update_best(progress.best, run.cfg.checkpoint.best_metric, progress.eval, progress.step)
     record_row(run.accelerator, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
-    run.bar.write(f"step {progress.step}: eval {headline(progress.eval)}")
+    if run.accelerator.is_main_process:  # tqdm.write prints even from a disabled bar: once per rank
+        run.bar.write(f"step {progress.step}: eval {headline(progress.eval)}")
     sums.started += time.perf_counter() - started
     if run.report is not None:
         run.report(progress.step, progress.eval)
