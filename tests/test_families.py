@@ -279,19 +279,28 @@ def test_a_pretrained_decoder_gets_the_pad_and_room_for_it(tokenizers: dict[str,
     assert config["pad_token_id"] == 300 and config["vocab_size"] == 301
 
 
-def test_a_shipped_pad_inside_the_texts_is_refused(
+def test_a_shipped_pad_inside_the_texts_moves_off_the_eos_and_is_refused_otherwise(
     tokenizers: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizers["decoder_eos"])
-    tok.pad_token = tok.eos_token  # shipped as pad = eos, and eos is appended to every text
-    tok.save_pretrained(tmp_path / "tok")
-    cfg = family_config(tmp_path, "mistral", {"decoder_eos": tmp_path / "tok"})
+    tok.pad_token = tok.eos_token  # shipped as pad = eos (SmolLM2, Qwen), and eos is appended to every text
+    tok.save_pretrained(tmp_path / "eos")
+    cfg = family_config(tmp_path / "a", "mistral", {"decoder_eos": tmp_path / "eos"})
+    assert main(["--config", str(cfg)]) == 0
+    log = (tmp_path / "a" / "run" / "train.log").read_text()
+    assert "pads with its eos '</s>', which occurs inside the texts: padding with '<|pad|>'" in log
+    # any other pad the tokenizer ships that occurs inside the texts: refused, nothing written
+    word = tok.convert_ids_to_tokens(tok(" the")["input_ids"])[0]  # in nearly every SST-2 sentence
+    tok.pad_token = word
+    tok.save_pretrained(tmp_path / "word")
+    cfg = family_config(tmp_path / "b", "mistral", {"decoder_eos": tmp_path / "word"})
+    capfd.readouterr()
     assert main(["--config", str(cfg)]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: the tokenizer's pad token '</s>'"), err
-    assert not (tmp_path / "run").exists()
+    assert len(err) == 1 and err[0].startswith(f"error: the tokenizer's pad token {word!r}"), err
+    assert not (tmp_path / "b" / "run").exists()
 
 
 # ----------------------------------------------------------------------------------------------
