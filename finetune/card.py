@@ -16,6 +16,7 @@ import yaml
 
 from finetune.config import Config, dump_config
 from finetune.memory import MIB, at_peak
+from finetune.sources import gguf_origin
 
 CONFUSION_PNG = "confusion_matrix.png"
 # the hub id behind a package alias of model.name_or_path (the card's base_model)
@@ -160,6 +161,8 @@ def card_text(cfg: Config, final: dict[str, Any], label_names: list[str], files:
     start = f"`{meta['base_model']}`" if "base_model" in meta else f"`{cfg.model.name_or_path}`"
     if cfg.model.architecture is not None:
         start = "a model built from scratch (`model.architecture`)"
+    elif (gguf := gguf_origin(cfg.model.source)) is not None:
+        start += f" (its weights read from the GGUF file `{gguf}` and dequantized: they carry that file's quantization)"
     body = [
         f"# {name}", "",
         f"A text classifier fine-tuned from {start} on {meta['datasets'][0]} with "

@@ -66,6 +66,20 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def gguf_origin(name: str | None) -> str | None:
+    """The GGUF file name behind `name` (an alias, a .gguf path, a folder holding one), else None:
+    the model card says where the weights came from, quantization included."""
+    if name is None:
+        return None
+    if name in ALIASES:
+        return ALIASES[name][2]
+    p = Path(name).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p.name
+    ggufs = sorted(p.glob("*.gguf")) if p.is_dir() and not (p / "config.json").exists() else []
+    return ggufs[0].name if len(ggufs) == 1 else None
+
+
 def _alias_path(name: str) -> str:
     module, package, filename = ALIASES[name]
     spec = importlib.util.find_spec(module)

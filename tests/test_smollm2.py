@@ -86,6 +86,8 @@ def test_lora_on_the_real_decoder_trains_and_final_loads_in_pipeline(
     log = (run / "train.log").read_text()
     assert f"pads with its eos '{EOS}', which occurs inside the texts: padding with '<|endoftext|>'" in log
     final = run / "final"
+    card = (final / "README.md").read_text()
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in card and "GGUF file `SmolLM2-135M-Instruct.Q4_1.gguf`" in card
     tok = AutoTokenizer.from_pretrained(final)
     assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id != tok.eos_token_id
 
