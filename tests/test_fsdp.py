@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,29 +22,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_multiprocess import COMMON as DDP_COMMON
+from test_multiprocess import _free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny-debug.yaml"
 FSDP_CPU = ROOT / "configs" / "accelerate" / "fsdp-cpu.yaml"
 needs_data = pytest.mark.usefixtures("data_dir")
 
-# 90 rows, accumulation 5: windows of 40, 40 and 10 samples (a weight-0 fill on the last batch)
-COMMON = [
-    "data.max_train_samples=90",
-    "data.max_eval_samples=100",
-    "train.gradient_accumulation_steps=5",
-    "train.log_every_steps=1",
-    "train.eval_every_steps=1",
-    "checkpoint.every_steps=1",
-    "train.epochs=1",
-]
+# test_multiprocess's 90 rows and accumulation 5 (windows of 40, 40 and 10 samples, a weight-0 fill on the last
+# batch), with a checkpoint every step to resume from, and without run.overwrite (a resume keeps its directory)
+COMMON = [o for o in DDP_COMMON if o != "run.overwrite=true"] + ["checkpoint.every_steps=1"]
 LORA = ["model.lora.r=4", "checkpoint.export=best"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch_fsdp(overrides: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
