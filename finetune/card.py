@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from finetune.config import Config, dump_config
+from finetune.config import Config
+from finetune.config_io import dump_config
 from finetune.memory import MIB, at_peak
 from finetune.sources import gguf_origin
 

@@ -35,7 +35,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from finetune import faults
-from finetune.config import Config, parse_yaml12, validate_config
+from finetune.config import Config
+from finetune.config_io import parse_yaml12, validate_config
 from finetune.errors import UserError
 from finetune.model import exportable, is_quantized, merge_adapter, unquantized_base
 

@@ -62,7 +62,7 @@ def _cmd_plan(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.grid:
         return _plan_grid(args)
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.optim import effective_batch, resolve_batch
     from finetune.planner import format_plan, plan, plan_json
 
@@ -91,7 +91,7 @@ def _cmd_plan(argv: list[str]) -> int:
 def _plan_grid(args: argparse.Namespace) -> int:
     import transformers
 
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.planner import (
         default_device,
         extrapolation_note,
@@ -299,7 +299,7 @@ def _cmd_evaluate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import numpy as np
 
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.data import load_raw_splits
     from finetune.metrics import bootstrap_ci, compute_metrics
 
@@ -409,7 +409,8 @@ def _cmd_config(argv: list[str]) -> int:
     what.add_argument("--markdown", action="store_true", help="print the configuration reference (docs/CONFIG.md)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides (with --show)")
     args = parser.parse_args(argv)
-    from finetune.config import dump_config, json_schema, load_config, schema_markdown
+    from finetune.config_docs import json_schema, schema_markdown
+    from finetune.config_io import dump_config, load_config
 
     if args.show is None and args.overrides:
         raise UserError("overrides go with --show CONFIG")
@@ -462,7 +463,7 @@ def _cmd_sweep(argv: list[str]) -> int:
         raise UserError(f"--trials {args.trials}: a sweep runs at least one trial")
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout:g}: give a positive number of seconds")
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.runtime import Preempted
     from finetune.sweep import run_sweep
 

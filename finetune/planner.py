@@ -44,7 +44,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
-from finetune.config import Config, apply_overrides, validate_config
+from finetune.config import Config
+from finetune.config_io import apply_overrides, validate_config
 from finetune.data import load_raw_splits
 from finetune.errors import UserError
 from finetune.memory import PeakTracker

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.config import TrainConfig, load_config, validate_config
+from finetune.config import TrainConfig
+from finetune.config_io import load_config, validate_config
 from finetune.errors import UserError
 from finetune.model import build_tokenizer, row_limit
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.checkpoint import LOWER_IS_BETTER
-from finetune.config import Config, SweepRange, apply_overrides, dump_config, validate_config
+from finetune.config import Config, SweepRange
+from finetune.config_io import apply_overrides, dump_config, validate_config
 from finetune.errors import UserError
 from finetune.runtime import PreemptionGuard
 from finetune.train import train

@@ -33,7 +33,8 @@ from finetune import faults
 from finetune import memory as mem
 from finetune.card import write_model_card
 from finetune.checkpoint import TrainingProgress
-from finetune.config import Config, dump_config, flat_config, load_config
+from finetune.config import Config
+from finetune.config_io import dump_config, flat_config, load_config
 from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
 from finetune.errors import UserError
 from finetune.metrics import (

@@ -71,7 +71,7 @@ def child_trainer(rows: int, seed: int) -> dict[str, Any]:
         set_seed,
     )
 
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.model import build_tokenizer, resolve_model_path
     from finetune.optim import planned_steps
 

@@ -30,7 +30,8 @@ os.environ.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
 import torch  # noqa: E402
 
-from finetune.config import Config, load_config  # noqa: E402
+from finetune.config import Config  # noqa: E402
+from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_tokenizer  # noqa: E402
 from finetune.planner import MiB, margin_bytes, measure_real, predict_peak  # noqa: E402
 

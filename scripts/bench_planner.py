@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_families import FAMILIES, family_config, train_tokenizer  # noqa: E402
 
 from finetune import checkpoint as ckpt  # noqa: E402
-from finetune.config import load_config  # noqa: E402
+from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_tokenizer  # noqa: E402
 from finetune.planner import MiB, predict_peak  # noqa: E402
 from finetune.train import main as train_main  # noqa: E402

@@ -42,7 +42,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from finetune.config import Config, load_config  # noqa: E402
+from finetune.config import Config  # noqa: E402
+from finetune.config_io import load_config  # noqa: E402
 from finetune.data import (  # noqa: E402
     build_data,  # noqa: E402
     build_train_loader,

@@ -81,7 +81,8 @@ from bench_memory import LORA, MINILM_ARCH, RUNGS  # noqa: E402
 from bench_vs_trainer import shared_hparams  # noqa: E402
 
 from finetune import faults  # noqa: E402
-from finetune.config import Config, load_config  # noqa: E402
+from finetune.config import Config  # noqa: E402
+from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_model, build_tokenizer  # noqa: E402
 from finetune.planner import MiB, measure_cuda, measure_real, predict_peak  # noqa: E402
 

@@ -131,7 +131,7 @@ def sgd_from_saved_start(directory: Path, updates: dict[str, Any], seed: int) ->
     (config, tokenizer, tokenized data, the in-memory model, the config path) for a plain-torch reference."""
     import torch
 
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.data import build_data
     from finetune.model import build_model, build_tokenizer
 

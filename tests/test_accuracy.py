@@ -17,7 +17,7 @@ from sklearn.metrics import accuracy_score, f1_score
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from finetune.cli import main as cli_main
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.errors import UserError
 from finetune.metrics import CI_METRICS, bootstrap_ci, compute_metrics, headline_metrics
 from finetune.model import reinit_top_layers

@@ -14,7 +14,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 LAYERS = [
-    "errors", "config", "faults", "sources", "precision", "model", "packing", "data", "optim", "runtime", "memory",
+    "errors", "config", "config_io", "config_docs", "faults", "sources", "precision", "model", "packing", "data", "optim", "runtime", "memory",
     "planner", "metrics", "final", "checkpoint", "card", "scaffold", "export", "train", "sweep", "cli",
 ]  # fmt: skip
 

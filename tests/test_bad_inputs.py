@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, write_tiny_config
 
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.data import load_raw_splits
 from finetune.train import main as train_main
 

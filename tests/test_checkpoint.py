@@ -174,7 +174,7 @@ def test_best_and_early_stopping_counter() -> None:
 
 
 def _cfg(tmp_path: Path, **changes: Any) -> dict[str, Any]:
-    from finetune.config import validate_config
+    from finetune.config_io import validate_config
 
     raw = {"run": {"output_dir": str(tmp_path / "run"), "seed": 1}, "data": {"train_file": "x.csv"}}
     for key, value in changes.items():

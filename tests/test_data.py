@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS
 
-from finetune.config import Config, load_config
+from finetune.config import Config
+from finetune.config_io import load_config
 from finetune.data import Collator, WindowedBatchSampler, build_data_report, load_raw_splits, tokenize_split
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from finetune import checkpoint as ckpt
 from finetune import faults, runtime
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.errors import UserError
 from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names
 from finetune.train import main

@@ -138,7 +138,7 @@ def test_fsdp_lora_export_best_equals_one_process(runs: dict) -> None:
 def test_fsdp_planner_per_rank_against_each_rank_measured(runs: dict) -> None:
     """Each rank's measured peak (MemTracker in the run, memory.json `ranks`) against `plan(..., shards=2)`:
     parameters, gradients and optimizer state halved, plus the largest unit gathered whole."""
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.planner import plan
 
     d = runs["dir"]
@@ -182,7 +182,7 @@ def _fsdp_accelerator(state_dict_type: str = "SHARDED_STATE_DICT") -> SimpleName
 def test_fsdp_refuses_what_cannot_shard(tmp_path: Path, overrides: dict, words: list[str]) -> None:
     from conftest import write_tiny_config
 
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.errors import UserError
     from finetune.runtime import check_fsdp
 

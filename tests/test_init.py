@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from finetune.cli import main as cli_main
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.data import MULTI, REGRESSION, SINGLE, build_data, load_raw_splits
 from finetune.model import build_tokenizer, resolve_model_path
 from finetune.scaffold import load_config_for_tokenizer, recipe

@@ -19,7 +19,7 @@ from conftest import PLAIN_SGD, sgd_from_saved_start, write_tiny_config
 from safetensors.torch import load_file
 
 from finetune.cli import main as cli_main
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.data import WindowedBatchSampler, Windowing, encode_texts, sample_weights
 from finetune.metrics import per_text
 from finetune.model import build_tokenizer

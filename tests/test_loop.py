@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import finetune.train as train_mod
 from finetune import checkpoint as ckpt
 from finetune import faults, runtime
-from finetune.config import load_config
+from finetune.config_io import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from finetune import checkpoint as ckpt
 from finetune import memory as mem
 from finetune.cli import main as cli_main
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.train import main as train_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -241,7 +241,7 @@ def test_memory_png_shows_the_breakdown_beside_the_plan(tmp_path: Path, data_dir
 
 
 def test_trackers_get_the_whole_config_as_dotted_scalars() -> None:
-    from finetune.config import flat_config, load_config
+    from finetune.config_io import flat_config, load_config
 
     flat = flat_config(load_config(ROOT / "configs" / "goemotions-minilm.yaml"))
     assert flat["model.problem_type"] == "multi_label_classification" and flat["train.learning_rate"] == 1e-4

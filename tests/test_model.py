@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.errors import UserError
 from finetune.model import build_model, build_tokenizer, exportable
 

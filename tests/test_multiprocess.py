@@ -323,7 +323,7 @@ def sgd_setup(tmp_path_factory: pytest.TempPathFactory) -> SgdSetup:
 
     require_data()
 
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.data import build_data
     from finetune.model import build_model, build_tokenizer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.optim import build_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent

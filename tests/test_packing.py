@@ -14,7 +14,7 @@ import torch
 from conftest import TINY
 from safetensors.torch import load_file
 
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.data import Collator, PackingCollator, pack_rows
 from finetune.model import build_model, build_tokenizer
 from finetune.packing import attention_cost, packed_logits

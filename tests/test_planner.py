@@ -15,7 +15,7 @@ import torch
 from conftest import TINY
 
 from finetune import faults
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.errors import UserError
 from finetune.optim import micro_batch_ladder, resolve_batch, smaller_micro_batch
 from finetune.planner import (

@@ -18,7 +18,7 @@ from test_families import FAMILIES, NAMES, _sentences, family_config, train_toke
 
 from finetune import checkpoint as ckpt
 from finetune.cli import main as cli_main
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.model import build_tokenizer
 from finetune.planner import MiB, predict_peak
 from finetune.train import main

@@ -582,7 +582,7 @@ def test_compiled_run_records_graphs_and_writes_clean_keys(tiny_config: Callable
         sd = load_file(path)
         assert not any("_orig_mod" in k for k in sd)
     # the compiled run's checkpoint loads strictly into an uncompiled model of the same shape
-    from finetune.config import load_config
+    from finetune.config_io import load_config
     from finetune.model import build_model, build_tokenizer
 
     c = load_config(cfg)

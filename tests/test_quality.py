@@ -13,7 +13,7 @@ import torch
 from conftest import write_tiny_config
 from test_tasks import GOEMOTIONS, STSB
 
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.data import build_data
 from finetune.model import build_model, build_tokenizer, output_layer
 from finetune.train import train_targets

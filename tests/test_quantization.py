@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from test_families import FAMILIES, NAMES, TEXTS, _sentences, family_config, stopped_and_resumed, train_tokenizer
 
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.errors import UserError
 from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names
 from finetune.train import main

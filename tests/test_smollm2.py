@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.model import build_model, build_tokenizer, choose_pad_token
 from finetune.sources import resolve_model_path
 from finetune.train import main

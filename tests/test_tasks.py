@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from sklearn.metrics import f1_score
 
 from finetune.cli import main as cli_main
-from finetune.config import load_config
+from finetune.config_io import load_config
 from finetune.data import WindowedBatchSampler, load_raw_splits
 from finetune.metrics import compute_metrics, tune_thresholds
 from finetune.train import main

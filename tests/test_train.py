@@ -21,7 +21,7 @@ from conftest import ROOT, TINY
 import finetune.train as train_mod
 from finetune import checkpoint as ckpt
 from finetune import runtime
-from finetune.config import load_config, parse_yaml12, validate_config
+from finetune.config_io import load_config, parse_yaml12, validate_config
 from finetune.data import Collator
 
 # Plain SGD, lr 1, no decay/clipping/warmup, fixed order: the optimizer sees exactly the accumulated gradient.
@@ -298,7 +298,7 @@ def test_trackers_tensorboard_and_mlflow(
     import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from finetune.config import flat_config
+    from finetune.config_io import flat_config
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the file store needs no database: fastest here
