@@ -14,9 +14,31 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 LAYERS = [
-    "errors", "config", "config_io", "config_docs", "faults", "sources", "precision", "model", "packing", "data", "optim", "runtime", "memory",
-    "planner", "metrics", "final", "checkpoint", "card", "scaffold", "export", "train", "sweep", "cli",
-]  # fmt: skip
+    "errors",
+    "config",
+    "config_io",
+    "config_docs",
+    "faults",
+    "sources",
+    "precision",
+    "model",
+    "packing",
+    "data",
+    "optim",
+    "runtime",
+    "memory",
+    "planner",
+    "metrics",
+    "final",
+    "predict",
+    "checkpoint",
+    "card",
+    "scaffold",
+    "export",
+    "train",
+    "sweep",
+    "cli",
+]
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -114,7 +114,7 @@ def test_evaluation_loaders_use_data_num_workers(tmp_path: Path) -> None:
 def test_final_predicts_with_the_training_max_length(tiny_run: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.cli import predict_texts
+    from finetune.predict import predict_texts
 
     train_len = load_config(tiny_run / "config.yaml").data.max_length
     tok = AutoTokenizer.from_pretrained(tiny_run / "final")
