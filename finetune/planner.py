@@ -177,7 +177,7 @@ def train_micro_step(
     loss.backward()
 
 
-def run_window(
+def train_window(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: list[dict[str, torch.Tensor]],
@@ -221,11 +221,11 @@ def measure_window(
     kernels = cuda_attention_for_planning() if device == "cuda" else contextlib.nullcontext()
     with kernels:
         # the first window only creates the optimizer state: one micro-step does
-        run_window(model, optimizer, [make_batch()], autocast, max_grad_norm)
+        train_window(model, optimizer, [make_batch()], autocast, max_grad_norm)
         tracker = PeakTracker()
         tracker.track_external(model, optimizer)
         with tracker:
-            run_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm, tracker)
+            train_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm, tracker)
     snap = tracker.get_tracker_snapshot("peak")
     categories = dict.fromkeys(CATEGORIES, 0)
     peak = 0
@@ -723,37 +723,6 @@ def plan_json(p: Plan) -> str:
     return json.dumps([r.to_json() for r in p.rows], indent=2)
 
 
-def real_batch_factory(
-    tokenizer: Any, texts: list[str], labels: list[int], seq_len: int
-) -> Callable[[], dict[str, torch.Tensor]]:
-    """Real batches of `texts` padded to `seq_len` tokens (the planner's worst case, on real data)."""
-
-    def make() -> dict[str, torch.Tensor]:
-        enc = tokenizer(texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
-        batch = dict(enc)
-        batch["labels"] = torch.tensor(labels, dtype=torch.long)
-        return batch
-
-    return make
-
-
-def measure_real(
-    cfg: Config,
-    micro: int,
-    accumulation: int,
-    tokenizer: Any,
-    label_names: list[str],
-    texts: list[str],
-    labels: list[int],
-    seq_len: int | None = None,
-) -> Measurement:
-    """MemTracker measurement of a real second window on CPU (real tensors, real data)."""
-    seq_len = seq_len or cfg.data.max_length
-    model, optimizer = build_for_planning(cfg, label_names, tokenizer)
-    make = real_batch_factory(tokenizer, texts[:micro], labels[:micro], seq_len)
-    return measure_window(model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm)
-
-
 # ----------------------------------------------------------------------------------------------
 # At run time: the micro-batch to train with, and out-of-memory recovery.
 
@@ -807,48 +776,6 @@ def resolve_micro_batch(
         )
     assert G is not None
     return micro, G, planned
-
-
-def measure_cuda(
-    cfg: Config,
-    micro: int,
-    accumulation: int,
-    tokenizer: Any,
-    label_names: list[str],
-    texts: list[str],
-    labels: list[int],
-    seq_len: int | None = None,
-) -> dict[str, int]:
-    """On a CUDA machine: `torch.cuda.max_memory_allocated` (and reserved) over a real second window,
-    CUDA autocast. What the planner's `peak_bytes` predicts (its margin covers context and reserve)."""
-    seq_len = seq_len or cfg.data.max_length
-    model, optimizer = build_for_planning(cfg, label_names, tokenizer, device="cuda")
-    model.to("cuda")  # parameters keep their identity: the optimizer still holds them
-    make_cpu = real_batch_factory(tokenizer, texts[:micro], labels[:micro], seq_len)
-    autocast = autocast_context(cfg.precision.mode, "cuda")
-    steps = min(accumulation, 2)
-    model.train()
-    run_window(
-        model,
-        optimizer,
-        [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)],
-        autocast,
-        cfg.train.max_grad_norm,
-    )
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    run_window(
-        model,
-        optimizer,
-        [{k: v.cuda() for k, v in make_cpu().items()} for _ in range(steps)],
-        autocast,
-        cfg.train.max_grad_norm,
-    )
-    torch.cuda.synchronize()
-    result = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
-    del model, optimizer
-    torch.cuda.empty_cache()
-    return result
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchlib import ROOT, train_run
 
 SMS = {
     "cross_entropy": [],
@@ -37,15 +34,9 @@ BBC = {
 
 
 def run(config: str, overrides: list[str], out: Path) -> tuple[dict, float]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    cmd = [sys.executable, "finetune/train.py", "--config", config, f"run.output_dir={out}", "run.overwrite=true",
-           "train.eval_every_steps=null", *overrides]  # fmt: skip
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
-    return json.loads((out / "eval.json").read_text()), time.perf_counter() - start
+    """final/'s eval.json and the wall time of one run with evaluation only at the end."""
+    r = train_run(config, ["train.eval_every_steps=null", *overrides], out)
+    return r.eval, r.wall_s
 
 
 def table(title: str, results: dict[str, list[dict]], keys: list[str]) -> str:

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,11 +28,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
 import torch  # noqa: E402
+from benchlib import measure_cuda, measure_real, train_run  # noqa: E402
 
 from finetune.config import Config  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_tokenizer  # noqa: E402
-from finetune.planner import MiB, margin_bytes, measure_real, predict_peak  # noqa: E402
+from finetune.planner import MiB, margin_bytes, predict_peak  # noqa: E402
 
 CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 BASE = ["data.max_length=128", "train.batch_size=32", "train.gradient_accumulation_steps=1"]
@@ -137,15 +137,8 @@ def rung_config(overrides: list[str], micro: int, accumulation: int, steps: int,
 def train_accuracy(overrides: list[str], run_dir: Path, seed: int | None = None) -> tuple[float | None, str | None]:
     """Train in a fresh process (Accelerate's state fixes the precision per process); dev accuracy."""
     seeded = [f"run.seed={seed}"] if seed is not None else []
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(CONFIG), *overrides, *seeded],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        return None, proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-    return json.loads((run_dir / "eval.json").read_text())["accuracy"], None
+    r = train_run(CONFIG, [*overrides, *seeded], run_dir, check=False)
+    return (r.eval["accuracy"], None) if r.eval is not None else (None, r.error)
 
 
 def real_rows(cfg: Config, n: int) -> tuple[list[str], list[int], list[str]]:
@@ -253,7 +246,6 @@ def main() -> int:
                 row["measured_mib"] = meas.peak_bytes / MiB
                 row["measured_categories_mib"] = {k: v / MiB for k, v in meas.categories.items()}
         if cuda and not args.no_memory and not eight_bit:
-            from finetune.planner import measure_cuda
 
             with torch.random.fork_rng(devices=[]):
                 got = measure_cuda(cfg, micro, acc, tok, names, texts, labels)

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchlib import ROOT, train_run
 
 
 def one_run(mode: str, seed: int, args: argparse.Namespace, out_dir: Path) -> dict[str, float]:
@@ -30,13 +27,7 @@ def one_run(mode: str, seed: int, args: argparse.Namespace, out_dir: Path) -> di
     real_mode, extra = (mode, [])
     if mode == "bf16-true-plain":
         real_mode, extra = "bf16-true", ["precision.bf16_update=plain"]
-    cmd = [
-        sys.executable,
-        str(ROOT / "finetune" / "train.py"),
-        "--config",
-        str(ROOT / "configs" / "sst2-minilm.yaml"),
-        f"run.output_dir={run_dir}",
-        "run.overwrite=true",
+    overrides = [
         f"run.seed={seed}",
         f"precision.mode={real_mode}",
         f"data.max_train_samples={args.train_samples}",
@@ -49,13 +40,9 @@ def one_run(mode: str, seed: int, args: argparse.Namespace, out_dir: Path) -> di
         f"data.max_length={args.max_length}",
         *extra,
     ]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} seed {seed} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    ev = json.loads((run_dir / "eval.json").read_text())
-    return {"accuracy": ev["accuracy"], "macro_f1": ev["macro_f1"], "loss": ev["loss"], "wall_s": wall}
+    r = train_run(ROOT / "configs" / "sst2-minilm.yaml", overrides, run_dir)
+    ev = r.eval
+    return {"accuracy": ev["accuracy"], "macro_f1": ev["macro_f1"], "loss": ev["loss"], "wall_s": r.wall_s}
 
 
 def main() -> None:

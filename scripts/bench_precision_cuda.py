@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchlib import ROOT, train_run
+
 CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 
 
@@ -34,23 +32,20 @@ def one_cell(mode: str, compiled: bool, args: argparse.Namespace) -> dict[str, A
     """Train one (mode, compile) cell in a fresh process; its numbers from metrics.jsonl."""
     run_dir = args.work / f"{mode}-{'compile' if compiled else 'eager'}"
     log_every = max(1, args.steps // 10)
-    cmd = [
-        sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(CONFIG),
-        f"run.output_dir={run_dir}", "run.overwrite=true", f"precision.mode={mode}",
-        f"model.compile={str(compiled).lower()}",
+    overrides = [
+        f"precision.mode={mode}", f"model.compile={str(compiled).lower()}",
         f"data.max_train_samples={args.steps * 32}", f"train.max_steps={args.steps}", "train.micro_batch_size=32",
         "train.gradient_accumulation_steps=1", f"data.max_length={args.max_length}",
         f"train.log_every_steps={log_every}",
         "train.eval_every_steps=null", "checkpoint.every_steps=null", f"data.max_eval_samples={args.eval_samples}",
         *([f"model.name_or_path={args.model}"] if args.model else []), *args.override,
     ]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    cell: dict[str, Any] = {"mode": mode, "compile": compiled, "wall_s": time.perf_counter() - t0}
-    if proc.returncode != 0:
-        cell["error"] = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    child = train_run(CONFIG, overrides, run_dir, check=False)
+    cell: dict[str, Any] = {"mode": mode, "compile": compiled, "wall_s": child.wall_s}
+    if child.error is not None:
+        cell["error"] = child.error
         return cell
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = child.metrics()
     train_rows = [r for r in rows if "samples_per_s" in r]
     steady = train_rows[1:] or train_rows
     sps = statistics.median(r["samples_per_s"] for r in steady)

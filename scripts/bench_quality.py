@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_imbalance import ROOT, run
+from bench_imbalance import run
+from benchlib import ROOT
 from sklearn.metrics import f1_score
 
 # task -> (config, headline key in eval.json (or test.<key>), goal, published anchor)

@@ -9,7 +9,7 @@ whose tables docs/BENCHMARKS.md and docs/MEMORY.md take as they are:
    log intervals after the first, MFU, the first interval's time (compilation included), compiled
    graphs, fp16 skipped steps, the loss at the last step against fp32's, the memory report's
    allocator counters;
-2. memory: `planner.predict_peak` against `torch.cuda.max_memory_allocated` (`planner.measure_cuda`)
+2. memory: `planner.predict_peak` against `torch.cuda.max_memory_allocated` (`benchlib.measure_cuda`)
    for the ladder fp32 -> bf16 -> accumulation -> checkpointing -> bf16-true -> LoRA
    (scripts/bench_memory.py's rungs), reserved and fragmentation with and without
    `expandable_segments` (a child process: the setting must precede CUDA's initialisation);
@@ -79,12 +79,13 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from bench_memory import LORA, MINILM_ARCH, RUNGS  # noqa: E402
 from bench_vs_trainer import shared_hparams  # noqa: E402
+from benchlib import measure_cuda, measure_real  # noqa: E402
 
 from finetune import faults  # noqa: E402
 from finetune.config import Config  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_model, build_tokenizer  # noqa: E402
-from finetune.planner import MiB, measure_cuda, measure_real, predict_peak  # noqa: E402
+from finetune.planner import MiB, predict_peak  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12  # KINDS.md: an 8192^3 bf16 matmul ran at 769-798 TFLOP/s on random data
 LABELS = ["negative", "positive"]
@@ -895,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     # measure_cuda builds the planner's 8-bit stand-in, not bitsandbytes: no truth to be had that way
     result["skipped"].append(
         "8-bit AdamW and QLoRA rows (bitsandbytes is not on the GPU machine and its wheel is over the 64 MiB "
-        "that travel there; planner.measure_cuda would measure the planner's own 8-bit stand-in)"
+        "that travel there; benchlib.measure_cuda would measure the planner's own 8-bit stand-in)"
     )
 
     def emit() -> None:  # after every row: a run stopped at its limit still leaves its numbers

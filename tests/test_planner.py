@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,13 @@ from finetune.planner import (
     CATEGORIES,
     CUDA_ALLOCATOR_FRACTION,
     CUDA_CONTEXT_BYTES,
-    measure_real,
     plan,
     predict_peak,
 )
 from finetune.runtime import OutOfMemoryGuard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from benchlib import measure_real  # noqa: E402  (the real-tensor reference lives with the benchmarks)
 
 
 def _real_rows(cfg: Any, n: int) -> tuple[list[str], list[int], list[str]]:
