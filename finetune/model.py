@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.precision import apply_precision_policy, within
-from finetune.sources import resolve_model_path
+from finetune.sources import resolve_model_path, save_on_this_process
 
 logger = logging.getLogger("finetune")
 transformers.logging.set_verbosity_error()
@@ -395,7 +395,7 @@ def _load_quantized(
     if isinstance(source, PreTrainedModel):
         keep = tempfile.TemporaryDirectory(prefix="finetune-base-")
         skip = head_names(source)
-        source.save_pretrained(keep.name)
+        save_on_this_process(source, keep.name)
         path = keep.name
         del source
     else:

@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from finetune.errors import UserError
 
@@ -39,6 +40,20 @@ def cache_root() -> Path:
         return Path(os.environ["FINETUNE_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base).expanduser() / "finetune"
+
+
+def save_on_this_process(model: Any, path: str | Path, **kwargs: Any) -> None:
+    """`model.save_pretrained(path, **kwargs)`, written by this process whatever its rank.
+
+    Once a torch.distributed process group exists, transformers writes only on rank 0; a folder private
+    to another rank (a converted GGUF file, an architecture's base saved to be reloaded quantized) would
+    stay empty and fail later as "Unrecognized model".
+    """
+    model.should_save_on_this_rank = lambda is_main_process: True  # shadows the class's rank check
+    try:
+        model.save_pretrained(path, **kwargs)
+    finally:
+        del model.should_save_on_this_rank
 
 
 def resolve_model_path(name: str) -> str:
@@ -150,7 +165,7 @@ def _convert(path: Path, target: Path) -> None:
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
     try:
-        model.save_pretrained(tmp)
+        save_on_this_process(model, tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)  # atomic: a folder with config.json is always complete
     finally:

@@ -167,3 +167,25 @@ def test_qlora_resume_is_exact(tokenizers: dict[str, Path], tmp_path: Path, monk
            "data.max_train_samples": 64}
     ref, got = stopped_and_resumed(tmp_path, "llama", tokenizers, monkeypatch, run)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_a_rank_other_than_0_still_writes_its_private_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers' save_pretrained writes nothing on a torch.distributed rank other than 0: QLoRA on a second
+    # process then reloaded an empty folder ("Unrecognized model"); a GGUF conversion by that rank left a
+    # cache folder without weights
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from finetune.sources import save_on_this_process
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=16))  # fmt: skip
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
+    model.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "model.safetensors").exists()  # the failure this guards against
+    save_on_this_process(model, tmp_path / "here")
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "here").iterdir()}
+    saved = load_file(tmp_path / "here" / "model.safetensors")
+    assert set(saved) == set(model.state_dict())
+    assert all(torch.equal(saved[n], t) for n, t in model.state_dict().items())
+    assert "should_save_on_this_rank" not in vars(model)  # the class's rank check is back
