@@ -1,4 +1,6 @@
-"""An exported model directory (final/) checked before anything loads it, and loaded: `check_final`, `load_final`.
+"""The exported model directory, final/: written at the end of a run (`export_final`: merged weights,
+the LoRA adapter, the tokenizer at the run's max_length, the prediction settings from
+`prediction_config`), checked before anything loads it (`check_final`) and loaded (`load_final`).
 
 `predict`, `evaluate` and `export` read final/ through here, so a missing or truncated file is one line naming
 it, never a traceback or another tokenizer.
@@ -7,14 +9,19 @@ it, never a traceback or another tokenizer.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from accelerate import Accelerator
 from safetensors import SafetensorError
 
+from finetune.checkpoint import TMP_PREFIX, remove_tree
+from finetune.config import Config
 from finetune.errors import UserError
+from finetune.model import exportable, is_quantized, merge_adapter, unquantized_base
 
 # a tokenizer's vocabulary: tokenizer.json (fast, what export_final writes) or a slow tokenizer's own file
 VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model",
@@ -93,3 +100,100 @@ def load_final(final: Path) -> tuple[Any, Any]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot load {final}: {first}") from None
     return tokenizer, model
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing final/ at the end of a run.
+
+
+def prediction_config(cfg: Config, label_names: list[str], thresholds: list[float] | None) -> dict[str, Any]:
+    """final/config.json entries that make `finetune predict` read texts as evaluation did."""
+    d, extra = cfg.data, {}
+    if thresholds:
+        extra["label_thresholds"] = dict(zip(label_names, thresholds, strict=True))
+    if d.chunk_stride is not None:
+        extra.update(chunk_stride=d.chunk_stride, chunk_aggregate=d.chunk_aggregate)
+    if d.truncation is not None:
+        extra.update(truncation=d.truncation, head_fraction=d.head_fraction)
+    return extra
+
+
+def export_final(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    out: Path,
+    max_length: int,
+    extra_config: dict[str, Any] | None = None,
+) -> None:
+    """`final/`: safetensors weights, config with label names, tokenizer (loads in a pipeline);
+    with LoRA the weights are merged and `final/adapter/` holds the adapters and the trained head.
+
+    The tokenizer carries the run's `data.max_length` as `model_max_length` (right truncation, as
+    in training), so `finetune predict` and `pipeline(..., truncation=True)` on final/ alone cut
+    texts where training did.
+    """
+    accelerator.wait_for_everyone()
+    # written beside it, then renamed: a kill during the export never leaves a half-written final/
+    tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
+    if accelerator.is_main_process:
+        remove_tree(tmp)
+    peft_model = accelerator.unwrap_model(model)
+    if hasattr(peft_model, "peft_config"):  # LoRA: the adapters and the head first, as trained (unmerged)
+        adapter_state = accelerator.get_state_dict(model)  # every rank: a collective under FSDP / ZeRO-3
+        if accelerator.is_main_process:
+            save_adapter(peft_model, adapter_state, tmp / "adapter")
+    if is_quantized(peft_model):
+        # QLoRA: the adapters merged into the base reloaded unquantized (a merge into NF4 / int8 weights
+        # would round the update away); quantized runs are single-process (no FSDP / ZeRO gather)
+        if accelerator.is_main_process:
+            base = unquantized_base(peft_model, tokenizer)
+            model = merge_adapter(base, str(tmp / "adapter"))
+    # LoRA: merge the adapters into the base weights so final/ loads without peft
+    elif hasattr(peft_model, "merge_and_unload"):
+        model = exportable(peft_model)
+    # every rank: under FSDP / DeepSpeed ZeRO-3 gathering the full state dict is a collective
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # no "Writing model shards 1/1" bar after the run
+        try:
+            unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        side = "left" if (extra_config or {}).get("truncation") == "tail" else "right"
+        tokenizer.model_max_length, tokenizer.truncation_side = max_length, side
+        tokenizer.save_pretrained(tmp)
+        # bf16-true weights are saved as trained (bf16, norms fp32), but a config saying "bfloat16"
+        # makes from_pretrained/pipeline cast the fp32 norms down to bf16 on load. "float32" makes
+        # loaders upcast everything instead, which is lossless.
+        config_file = tmp / "config.json"
+        config_json = json.loads(config_file.read_text())
+        if config_json.get("dtype") not in (None, "float32"):
+            config_json["dtype"] = "float32"
+        # what prediction needs beyond transformers' keys (multi-label thresholds, the windowing of long
+        # texts): `finetune predict` and `evaluate` read them from final/ alone
+        config_json.update(extra_config or {})
+        config_file.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+        remove_tree(out)
+        tmp.rename(out)
+    accelerator.wait_for_everyone()
+
+
+def save_adapter(peft_model: Any, state_dict: dict[str, Any], out: Path) -> None:
+    """peft's adapter directory (adapter_config.json, adapter_model.safetensors): the LoRA weights and
+    the whole classification head (`modules_to_save`, under peft's own key names), without the base
+    weights. Embedding rows of an added pad token are not in it: final/'s tokenizer says how many
+    rows the base needs (`resize_token_embeddings(len(tokenizer))` before `PeftModel.from_pretrained`)."""
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True,
+                                       save_embedding_layers=False)
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()

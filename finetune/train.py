@@ -37,6 +37,7 @@ from finetune.config import Config
 from finetune.config_io import dump_config, flat_config, load_config
 from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
 from finetune.errors import UserError
+from finetune.final import export_final, prediction_config
 from finetune.metrics import (
     Outputs,
     bootstrap_ci,
@@ -595,18 +596,6 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         run.report(progress.step, progress.eval)
 
 
-def prediction_config(cfg: Config, label_names: list[str], thresholds: list[float] | None) -> dict[str, Any]:
-    """final/config.json entries that make `finetune predict` read texts as evaluation did."""
-    d, extra = cfg.data, {}
-    if thresholds:
-        extra["label_thresholds"] = dict(zip(label_names, thresholds, strict=True))
-    if d.chunk_stride is not None:
-        extra.update(chunk_stride=d.chunk_stride, chunk_aggregate=d.chunk_aggregate)
-    if d.truncation is not None:
-        extra.update(truncation=d.truncation, head_fraction=d.head_fraction)
-    return extra
-
-
 def evaluate_split(
     run: Run, split: str, fault_step: int = 0, thresholds: list[float] | None = None
 ) -> dict[str, Any]:
@@ -699,7 +688,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         final["test"] = evaluate_split(run, "test", thresholds=thresholds)
         acc.log({k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},
                 step=progress.step)
-    ckpt.export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length,
+    export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length,
                       prediction_config(cfg, run.data.label_names, thresholds))
     describe_final(run, final, thresholds)
     if acc.is_main_process:

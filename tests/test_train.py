@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from conftest import ROOT, TINY
 
 import finetune.train as train_mod
-from finetune import checkpoint as ckpt
 from finetune import runtime
 from finetune.config_io import load_config, parse_yaml12, validate_config
 from finetune.data import Collator
+from finetune.final import export_final
 
 # Plain SGD, lr 1, no decay/clipping/warmup, fixed order: the optimizer sees exactly the accumulated gradient.
 EXACT = {
@@ -412,7 +412,7 @@ def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> 
     model = build_model(cfg, ["negative", "positive"], tok)
     out = tmp_path / "final"
     accelerator = Accelerator(cpu=True)
-    ckpt.export_final(accelerator, model, tok, out, 128)
+    export_final(accelerator, model, tok, out, 128)
     assert "Writing model shards" not in capfd.readouterr().err  # no progress bar for a sub-second save
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
@@ -423,9 +423,9 @@ def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> 
     with torch.no_grad():
         next(model.parameters()).add_(1.0)  # a different export
     with pytest.raises(OSError, match="disk full"):
-        ckpt.export_final(accelerator, model, BrokenTokenizer(), out, 128)
+        export_final(accelerator, model, BrokenTokenizer(), out, 128)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    ckpt.export_final(accelerator, model, tok, out, 128)  # the leftover temporary does not get in the way
+    export_final(accelerator, model, tok, out, 128)  # the leftover temporary does not get in the way
     assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
