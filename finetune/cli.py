@@ -163,9 +163,9 @@ def _cmd_evaluate(argv: list[str]) -> int:
     import numpy as np
 
     from finetune.config_io import load_config
-    from finetune.data import load_raw_splits
     from finetune.metrics import bootstrap_ci, compute_metrics
     from finetune.predict import model_logits
+    from finetune.reading import load_raw_splits
 
     cfg = load_config(args.config, args.overrides)
     tokenizer, model = _load_classifier(args.model)

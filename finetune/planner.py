@@ -46,12 +46,12 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from finetune.config import Config
 from finetune.config_io import apply_overrides, validate_config
-from finetune.data import load_raw_splits
 from finetune.errors import UserError
 from finetune.memory import PeakTracker
 from finetune.model import build_model, build_tokenizer, classifier_of, head_names
 from finetune.optim import build_optimizer, effective_batch, micro_batch_ladder, resolve_batch
 from finetune.precision import apply_precision_policy, fp32_cross_entropy, within
+from finetune.reading import load_raw_splits
 
 logger = logging.getLogger("finetune")
 

@@ -143,7 +143,7 @@ def train_accuracy(overrides: list[str], run_dir: Path, seed: int | None = None)
 
 def real_rows(cfg: Config, n: int) -> tuple[list[str], list[int], list[str]]:
     """The first n SST-2 training rows (texts, label ids) and the label names."""
-    from finetune.data import load_raw_splits
+    from finetune.reading import load_raw_splits
 
     raw = load_raw_splits(cfg)
     return (

@@ -44,13 +44,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from finetune.config import Config  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
-from finetune.data import (  # noqa: E402
-    build_data,  # noqa: E402
-    build_train_loader,
-    load_raw_splits,
-)
+from finetune.data import build_data, build_train_loader  # noqa: E402
 from finetune.model import build_model, build_tokenizer, resolve_model_path  # noqa: E402
 from finetune.optim import build_optimizer, build_scheduler, planned_steps  # noqa: E402
+from finetune.reading import load_raw_splits  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 

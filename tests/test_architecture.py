@@ -23,6 +23,7 @@ LAYERS = [
     "precision",
     "model",
     "packing",
+    "reading",
     "data",
     "optim",
     "runtime",

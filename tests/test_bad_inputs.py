@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, write_tiny_config
 
 from finetune.config_io import load_config
-from finetune.data import load_raw_splits
+from finetune.reading import load_raw_splits
 from finetune.train import main as train_main
 
 GOOD_TRAIN = (

@@ -12,7 +12,8 @@ from conftest import CONFIGS
 
 from finetune.config import Config
 from finetune.config_io import load_config
-from finetune.data import Collator, WindowedBatchSampler, build_data_report, load_raw_splits, tokenize_split
+from finetune.data import Collator, WindowedBatchSampler, build_data_report, tokenize_split
+from finetune.reading import load_raw_splits
 
 
 def _splits(name: str, overrides: list[str] | None = None):
@@ -289,7 +290,7 @@ def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> No
     (hub SST-2 has ClassLabel labels)."""
     import datasets
 
-    import finetune.data as data_mod
+    import finetune.reading as data_mod
 
     features = datasets.Features(
         {

@@ -14,8 +14,9 @@ import yaml
 
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
-from finetune.data import MULTI, REGRESSION, SINGLE, build_data, load_raw_splits
+from finetune.data import build_data
 from finetune.model import build_tokenizer, resolve_model_path
+from finetune.reading import MULTI, REGRESSION, SINGLE, load_raw_splits
 from finetune.scaffold import load_config_for_tokenizer, recipe
 from finetune.train import main as train_main
 

@@ -33,7 +33,7 @@ from benchlib import measure_real  # noqa: E402  (the real-tensor reference live
 
 
 def _real_rows(cfg: Any, n: int) -> tuple[list[str], list[int], list[str]]:
-    from finetune.data import load_raw_splits
+    from finetune.reading import load_raw_splits
 
     raw = load_raw_splits(cfg)
     texts = raw.train["text"][:n]

@@ -20,8 +20,9 @@ from sklearn.metrics import f1_score
 
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
-from finetune.data import WindowedBatchSampler, load_raw_splits
+from finetune.data import WindowedBatchSampler
 from finetune.metrics import compute_metrics, tune_thresholds
+from finetune.reading import load_raw_splits
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
