@@ -33,7 +33,8 @@ from benchlib import measure_cuda, measure_real, train_run  # noqa: E402
 from finetune.config import Config  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_tokenizer  # noqa: E402
-from finetune.planner import MiB, margin_bytes, predict_peak  # noqa: E402
+from finetune.peak import MiB, margin_bytes  # noqa: E402
+from finetune.planner import predict_peak  # noqa: E402
 
 CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 BASE = ["data.max_length=128", "train.batch_size=32", "train.gradient_accumulation_steps=1"]

@@ -29,7 +29,8 @@ from test_families import FAMILIES, family_config, train_tokenizer  # noqa: E402
 from finetune import checkpoint as ckpt  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_tokenizer  # noqa: E402
-from finetune.planner import MiB, predict_peak  # noqa: E402
+from finetune.peak import MiB  # noqa: E402
+from finetune.planner import predict_peak  # noqa: E402
 from finetune.train import main as train_main  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any]] = {

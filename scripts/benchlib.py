@@ -26,13 +26,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from finetune.config import Config  # noqa: E402
-from finetune.planner import (  # noqa: E402
-    Measurement,
-    autocast_context,
-    build_for_planning,
-    measure_window,
-    train_window,
-)
+from finetune.peak import Measurement, autocast_context, measure_window, train_window  # noqa: E402
+from finetune.planner import build_for_planning  # noqa: E402
 
 
 @dataclass

@@ -85,7 +85,8 @@ from finetune import faults  # noqa: E402
 from finetune.config import Config  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
 from finetune.model import build_model, build_tokenizer  # noqa: E402
-from finetune.planner import MiB, predict_peak  # noqa: E402
+from finetune.peak import MiB  # noqa: E402
+from finetune.planner import predict_peak  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12  # KINDS.md: an 8192^3 bf16 matmul ran at 769-798 TFLOP/s on random data
 LABELS = ["negative", "positive"]

@@ -28,6 +28,7 @@ LAYERS = [
     "optim",
     "runtime",
     "memory",
+    "peak",
     "planner",
     "metrics",
     "checkpoint",

@@ -19,13 +19,8 @@ from finetune import faults
 from finetune.config_io import load_config
 from finetune.errors import UserError
 from finetune.optim import micro_batch_ladder, resolve_batch, smaller_micro_batch
-from finetune.planner import (
-    CATEGORIES,
-    CUDA_ALLOCATOR_FRACTION,
-    CUDA_CONTEXT_BYTES,
-    plan,
-    predict_peak,
-)
+from finetune.peak import CATEGORIES, CUDA_ALLOCATOR_FRACTION, CUDA_CONTEXT_BYTES
+from finetune.planner import plan, predict_peak
 from finetune.runtime import OutOfMemoryGuard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -290,7 +285,8 @@ def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:
     counts two cuBLAS workspaces; a CPU plan of the same step keeps them: with attention dropout
     the CPU's SDPA takes its math path (its flash kernel has no dropout), as for MiniLM."""
     from finetune.model import build_tokenizer
-    from finetune.planner import MiB, predict_peak
+    from finetune.peak import MiB
+    from finetune.planner import predict_peak
 
     cfg = load_config(TINY, ["data.max_length=64", "model.architecture.attention_probs_dropout_prob=0.1"])
     tok = build_tokenizer(cfg)
@@ -301,7 +297,7 @@ def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:
     arch = cfg.model.architecture or {}
     probabilities = arch["num_hidden_layers"] * B * arch["num_attention_heads"] * L * L * 4  # fp32, saved by softmax
     assert cpu.categories["activations"] - cuda.categories["activations"] >= 0.9 * probabilities
-    from finetune.planner import cublas_workspace_bytes
+    from finetune.peak import cublas_workspace_bytes
 
     # two workspaces: 2 x 32 MiB (Hopper, or a CPU planning for CUDA) unless CUBLAS_WORKSPACE_CONFIG says otherwise
     assert (

@@ -20,7 +20,8 @@ from finetune import checkpoint as ckpt
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
 from finetune.model import build_tokenizer
-from finetune.planner import MiB, predict_peak
+from finetune.peak import MiB
+from finetune.planner import predict_peak
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
