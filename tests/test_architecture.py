@@ -72,6 +72,12 @@ def test_imports_point_downward(module: str) -> None:
             assert node.col_offset == 0, f"{module}: function-local import of finetune.{imported} (line {node.lineno})"
 
 
+def test_no_module_is_over_800_lines() -> None:
+    # a module past this has grown a second concern: split it along its seam (docs/ARCHITECTURE.md)
+    sizes = {p.stem: len(p.read_text().splitlines()) for p in PACKAGE.glob("*.py")}
+    assert not {m: n for m, n in sizes.items() if n > 800}
+
+
 def test_functions_are_short_and_train_reads_in_one_screen() -> None:
     too_long = []
     for name, tree in _modules().items():
