@@ -17,12 +17,9 @@ import yaml
 from finetune.config import Config
 from finetune.config_io import dump_config
 from finetune.memory import MIB, at_peak
-from finetune.sources import gguf_origin
+from finetune.sources import gguf_origin, hub_id
 
 CONFUSION_PNG = "confusion_matrix.png"
-# the hub id behind a package alias of model.name_or_path (the card's base_model)
-HUB_IDS = {"minilm-l6": "sentence-transformers/all-MiniLM-L6-v2",
-           "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # its weights via Q4_1 GGUF: 4-bit, dequantized
 # eval.json key -> (model-index metric type, display name, args)
 HUB_METRICS: dict[str, tuple[str, str, dict[str, str] | None]] = {
     "accuracy": ("accuracy", "Accuracy", None),
@@ -46,10 +43,7 @@ def base_model(cfg: Config) -> str | None:
     name = cfg.model.name_or_path
     if cfg.model.architecture is not None or name is None:
         return None
-    if name in HUB_IDS:
-        return HUB_IDS[name]
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
-    return None if looks_local else name
+    return hub_id(name)
 
 
 def dataset_name(cfg: Config, files: dict[str, Path]) -> str:

