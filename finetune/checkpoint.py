@@ -84,7 +84,9 @@ class TrainingProgress:
 
     A finished epoch is saved as the start of the next (`batches_in_epoch` 0). `log_sums` are the
     summed (weighted loss, loss weight, real tokens, total tokens, rows) of the log interval in progress, so a
-    resumed run prints the same log lines.
+    resumed run prints the same log lines. Besides the loop's counting, the batch layout (micro-batch,
+    accumulation, processes, `batches_in_epoch`) changes in `finetune.window` only: an out-of-memory
+    retry (`OutOfMemoryGuard.redo_window`) and a resume under another launch (`adapt_to_launch`).
     """
 
     step: int = 0  # optimizer steps done
@@ -118,41 +120,6 @@ class TrainingProgress:
         """A checkpoint's progress.json (keys an older version did not write get their defaults)."""
         raw = json.loads((checkpoint / PROGRESS).read_text())
         return cls(**{f.name: raw[f.name] for f in dataclasses.fields(cls) if f.name in raw})
-
-
-def adapt_to_launch(progress: TrainingProgress, micro: int, accumulation: int, processes: int, path: Path) -> None:
-    """Make a resumed `progress` continue under this launch's batch layout, or refuse.
-
-    The effective batch must stay (else other samples form each step). With the same process
-    count the checkpoint's micro-batch is kept (an out-of-memory retry may have lowered it); with
-    another count the launch's micro-batch and accumulation are used and `batches_in_epoch` is
-    converted through the windows done (checkpoints fall on window boundaries, and an epoch's
-    windows hold the same samples whatever the split: `data.WindowedBatchSampler`).
-
-    Raises:
-        UserError: the effective batch would change.
-    """
-    saved_p = progress.num_processes if progress.num_processes is not None else processes
-    saved_layout = (saved_p, progress.micro_batch_size, progress.gradient_accumulation_steps)
-    saved = "{} process(es) x micro-batch {} x accumulation {}".format(*saved_layout)
-    saved_e = progress.micro_batch_size * progress.gradient_accumulation_steps * saved_p
-    if saved_e != micro * accumulation * processes:
-        raise UserError(
-            f"cannot resume from {path}: it was trained with {saved} = effective batch {saved_e}, this launch has "
-            f"{processes} process(es) x micro-batch {micro} x accumulation {accumulation} = "
-            f"{micro * accumulation * processes}; relaunch with {saved_p} process(es), or set "
-            f"train.batch_size={saved_e} "
-            "(without train.micro_batch_size) so the split follows the process count"
-        )
-    if saved_p != processes:
-        windows_done = progress.batches_in_epoch // progress.gradient_accumulation_steps
-        progress.batches_in_epoch = windows_done * accumulation
-        progress.micro_batch_size, progress.gradient_accumulation_steps = micro, accumulation
-        logger.info(
-            f"resuming a run of {saved} with {processes} process(es) x micro-batch {micro} "
-            f"x accumulation {accumulation}"
-        )
-    progress.num_processes = processes
 
 
 # ----------------------------------------------------------------------------------------------

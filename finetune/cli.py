@@ -62,8 +62,8 @@ def _cmd_plan(argv: list[str]) -> int:
     if args.grid:
         return _plan_grid(args)
     from finetune.config_io import load_config
-    from finetune.optim import effective_batch, resolve_batch
     from finetune.planner import format_plan, plan, plan_json
+    from finetune.window import effective_batch, resolve_batch
 
     cfg = load_config(args.config, args.overrides)
     if args.budget_gb is not None and args.budget_gb <= 0:

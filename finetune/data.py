@@ -1,8 +1,8 @@
 """Raw splits (`finetune.reading`) -> tokenized splits with the data report -> dataloaders.
 
 Tokenization runs once through `datasets.map` (cached on disk for
-files). Training batches come from a seeded length-grouped batch sampler whose batches also
-carry the number of samples in their accumulation window (see `WindowedBatchSampler`).
+files). Training batches come from the window's seeded length-grouped batch sampler, whose batches
+also carry the number of samples in their accumulation window (`finetune.window.WindowedBatchSampler`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 import heapq
 import logging
-import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,12 @@ from typing import Any
 import datasets
 import huggingface_hub
 import torch
-from torch.utils.data import DataLoader, Sampler
-from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import DataLoader
 
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.reading import MULTI, REGRESSION, SINGLE, RawSplits, load_raw_splits
+from finetune.window import WindowedBatchSampler, WindowedDataset
 
 logger = logging.getLogger("finetune")
 datasets.logging.set_verbosity_error()
@@ -305,129 +304,6 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
 
 # ----------------------------------------------------------------------------------------------
 # Batching.
-
-
-class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
-    """Seeded, optionally length-grouped batches of (index, window_samples, weight) items.
-
-    Exact gradient accumulation needs, at the first micro-batch of a window, the number of
-    samples in the whole window (the tail window of an epoch is short). The sampler knows the
-    epoch's batches in advance, so it stamps that count on every item; the collator turns it
-    into `batch["window_samples"]`. Batches are global (micro-batch x processes, split by
-    Accelerate with `split_batches=True`); with several processes (`pad_to_multiple` = P > 1) a
-    short global batch is filled to the full global size with weight-0 copies, so every process
-    gets the same number of rows and no sample counts twice.
-    """
-
-    def __init__(
-        self,
-        lengths: list[int],
-        batch_size: int,
-        accumulation: int,
-        seed: int,
-        group_by_length: bool = True,
-        pad_to_multiple: int = 1,
-        megabatch_factor: int = 50,
-        weights: list[float] | None = None,
-    ) -> None:
-        self.lengths = lengths
-        # per-sample loss weights (class weights, 1/windows of a chunked text): a window is normalised
-        # by their sum, which is what the stamped window total is
-        self.weights = weights
-        self.batch_size = batch_size
-        self.accumulation = accumulation
-        self.seed = seed
-        self.group_by_length = group_by_length
-        self.pad_to_multiple = pad_to_multiple
-        self.megabatch = batch_size * accumulation * megabatch_factor
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the data order of `epoch` (seed + epoch), so a resumed run sees the same order."""
-        self.epoch = epoch
-
-    def batches(self) -> list[list[int]]:
-        """The epoch's batches as lists of dataset indices."""
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.lengths), generator=g).tolist()
-        if not self.group_by_length:
-            return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        # sort within megabatches by length (longest first), cut into accumulation windows, shuffle
-        # the window order, then cut each window into micro-batches. Grouping whole windows makes
-        # an epoch's windows (which samples each optimizer step sees) independent of the
-        # micro-batch size: micro 16 x 2 and micro 8 x 4 step on the same samples, which is what
-        # lets an out-of-memory retry halve the micro-batch mid-epoch (finetune/planner.py).
-        window = self.batch_size * self.accumulation
-        windows: list[list[int]] = []
-        for s in range(0, len(order), self.megabatch):
-            chunk = sorted(order[s : s + self.megabatch], key=lambda i: -self.lengths[i])
-            windows.extend(chunk[i : i + window] for i in range(0, len(chunk), window))
-        # keep a full window last: only the epoch's final window may be short
-        full = [w for w in windows if len(w) == window]
-        short = [w for w in windows if len(w) != window]
-        perm = torch.randperm(len(full), generator=g).tolist()
-        return [
-            w[i : i + self.batch_size]
-            for w in [full[i] for i in perm] + short
-            for i in range(0, len(w), self.batch_size)
-        ]
-
-    def __iter__(self) -> Iterator[list[tuple[int, int, float]]]:
-        batches = self.batches()
-        for w in range(0, len(batches), self.accumulation):
-            window = batches[w : w + self.accumulation]
-            weight = self.weights or [1.0] * len(self.lengths)
-            n = sum(weight[i] for b in window for i in b)
-            for b in window:
-                items = [(i, n, weight[i]) for i in b]
-                if self.pad_to_multiple > 1 and len(items) < self.batch_size:
-                    # Several processes: Accelerate's BatchSamplerShard (split_batches=True) refills a
-                    # short global batch with samples from the epoch's start (weight 1: counted twice)
-                    # unless the batch is full. Fill it with weight-0 copies of its shortest sample
-                    # instead: every rank gets batch_size / P rows and nothing counts twice.
-                    pad = min(b, key=lambda i: self.lengths[i])
-                    items += [(pad, n, 0.0)] * (self.batch_size - len(items))
-                yield items
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.lengths) / self.batch_size)
-
-    def num_windows(self) -> int:
-        """Optimizer steps in one epoch."""
-        return math.ceil(len(self) / self.accumulation)
-
-    def heaviest_window(self, limit: int | None = None) -> int:
-        """Index in this epoch (among its first `limit` windows) of the window whose largest micro-batch has
-        the most padded tokens (rows x longest row; ties: the longer row, then the earlier window): where
-        activation memory peaks, since batches are padded per batch."""
-        batches = self.batches()[: None if limit is None else limit * self.accumulation]
-
-        def cost(b: list[int]) -> tuple[int, int]:
-            longest = max(self.lengths[i] for i in b)
-            return len(b) * longest, longest
-
-        windows = [max(cost(b) for b in batches[w : w + self.accumulation])
-                   for w in range(0, len(batches), self.accumulation)]  # fmt: skip
-        return max(range(len(windows)), key=lambda w: (windows[w], -w))
-
-
-class WindowedDataset(TorchDataset):
-    """Wraps a tokenized split so items addressed as (index, window_samples, weight) carry both."""
-
-    def __init__(self, ds: datasets.Dataset) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, key: tuple[int, int, float] | int) -> dict[str, Any]:
-        if isinstance(key, tuple):
-            index, window, weight = key
-            item = dict(self.ds[int(index)])
-            item["window_samples"] = window
-            item["sample_weight"] = weight
-            return item
-        return dict(self.ds[int(key)])
 
 
 class Collator:

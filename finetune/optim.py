@@ -1,9 +1,8 @@
-"""Optimizers, learning-rate schedule, gradient clipping and batch arithmetic.
+"""Optimizers, learning-rate schedule and gradient clipping.
 
 Both the training loop and the memory planner build their optimizer here, so a plan measures the
-optimizer state training will hold. Batch arithmetic: the effective batch is micro-batch x
-accumulation x processes; `train.batch_size` may fix it and leave the split to the config or the
-planner; the micro-batch ladder and the out-of-memory step down keep the effective batch.
+optimizer state training will hold. The batch arithmetic (micro-batch x accumulation x processes)
+is `finetune.window`'s.
 """
 
 from __future__ import annotations
@@ -198,75 +197,3 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: 
     t = cfg.train
     warmup = t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * total_steps)
     return LambdaLR(optimizer, partial(lr_factor, warmup=warmup, total=total_steps, shape=t.lr_scheduler))
-
-
-
-def effective_batch(cfg: Config, num_processes: int = 1) -> int:
-    """Effective batch: `train.batch_size`, else micro-batch x accumulation x processes."""
-    t = cfg.train
-    if t.batch_size is not None:
-        return t.batch_size
-    assert t.micro_batch_size != "auto"  # the config validator requires batch_size with auto
-    return int(t.micro_batch_size) * t.gradient_accumulation_steps * num_processes
-
-
-def resolve_batch(cfg: Config, num_processes: int) -> tuple[int | None, int | None, int]:
-    """(micro-batch, accumulation, effective batch) per process; (None, None, E) when auto.
-
-    `train.batch_size` alone replaces the two explicit keys (micro = E / processes, no
-    accumulation); with an explicit micro-batch the accumulation is derived; with both explicit
-    the three must agree. Every mismatch is one error naming all three keys.
-    """
-    t = cfg.train
-    given = t.model_fields_set
-    P = num_processes
-    if t.batch_size is None:
-        assert t.micro_batch_size != "auto"
-        micro, G = int(t.micro_batch_size), t.gradient_accumulation_steps
-        return micro, G, micro * G * P
-    E = t.batch_size
-    explicit_micro = "micro_batch_size" in given
-    explicit_G = "gradient_accumulation_steps" in given
-
-    def disagree(reason: str) -> UserError:
-        return UserError(
-            f"train.batch_size={E} must equal train.micro_batch_size ({t.micro_batch_size}) x "
-            f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps if explicit_G else 'derived'}) x "
-            f"processes ({P}): {reason}"
-        )
-
-    if E % P:
-        raise disagree(f"{E} is not divisible by {P} processes")
-    if t.micro_batch_size == "auto":
-        return None, None, E
-    if not explicit_micro:
-        if explicit_G:
-            if (E // P) % t.gradient_accumulation_steps:
-                raise disagree(
-                    f"{E // P} samples per process do not split into {t.gradient_accumulation_steps} micro-batches"
-                )
-            return E // P // t.gradient_accumulation_steps, t.gradient_accumulation_steps, E
-        return E // P, 1, E
-    micro = int(t.micro_batch_size)
-    if (E // P) % micro:
-        raise disagree(f"{E // P} samples per process is not a multiple of the micro-batch")
-    G = E // P // micro
-    if explicit_G and G != t.gradient_accumulation_steps:
-        raise disagree(f"{micro} x {t.gradient_accumulation_steps} x {P} = {micro * t.gradient_accumulation_steps * P}")
-    return micro, G, E
-
-
-def micro_batch_ladder(per_process: int) -> list[int]:
-    """Micro-batch sizes to try: powers of two dividing the per-process batch, and the batch itself."""
-    sizes = [m for m in (1 << k for k in range(per_process.bit_length())) if per_process % m == 0]
-    if per_process not in sizes:
-        sizes.append(per_process)
-    return sizes
-
-
-def smaller_micro_batch(micro: int, accumulation: int) -> tuple[int, int]:
-    """The next micro-batch down (half, or the largest divisor below half) and the accumulation
-    that keeps micro x accumulation unchanged."""
-    new = max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
-    return new, accumulation * (micro // new)
-

@@ -43,7 +43,7 @@ from finetune.config import Config
 from finetune.config_io import apply_overrides, validate_config
 from finetune.errors import UserError
 from finetune.model import build_model, build_tokenizer, classifier_of
-from finetune.optim import build_optimizer, effective_batch, micro_batch_ladder, resolve_batch
+from finetune.optim import build_optimizer
 from finetune.peak import (
     CATEGORIES,
     CPU_AUTOCAST_NOTE,
@@ -61,6 +61,7 @@ from finetune.peak import (
 )
 from finetune.precision import apply_precision_policy
 from finetune.reading import load_raw_splits
+from finetune.window import effective_batch, micro_batch_ladder, resolve_batch
 
 logger = logging.getLogger("finetune")
 

@@ -1,5 +1,6 @@
 """Runtime concerns of a training process: the Accelerator, threads, determinism, logging,
-signals and preemption, and out-of-memory recovery inside an accumulation window.
+signals and preemption, and the error for running out of memory inside the optimizer step (a window's
+out-of-memory retry is `finetune.window.OutOfMemoryGuard`).
 
 Exit codes after a preemption checkpoint: 143 (SIGTERM) and 130 (SIGINT), see docs/RESUME.md.
 """
@@ -31,7 +32,6 @@ from tqdm.auto import tqdm
 
 from finetune.config import Config
 from finetune.errors import UserError
-from finetune.optim import smaller_micro_batch
 from finetune.precision import accelerate_mixed_precision, check_supported, fp32_norms_enabled
 
 logger = logging.getLogger("finetune")
@@ -118,6 +118,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
         gradient_accumulation_steps=cfg.train.gradient_accumulation_steps,
         # batches are global (micro-batch x processes) and split across ranks: the scheduler
         # then steps once per optimizer step and every rank sees its slice of the same batch
+        # (the sampler's half of this is finetune.window.WindowedBatchSampler)
         dataloader_config=DataLoaderConfiguration(split_batches=True),
         dynamo_backend="no",
         log_with=list(cfg.log.trackers) or None,
@@ -543,56 +544,7 @@ def resume_hint(prog: str, config: str, overrides: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Out-of-memory recovery.
-
-
-class OutOfMemoryGuard:
-    """Around the forward and backward of one micro-batch: swallows `torch.OutOfMemoryError` and
-    records it, so the loop can halve the micro-batch, double the accumulation and redo the window
-    (same effective batch). Only forward/backward: the weights are untouched until the optimizer
-    step, which runs outside the guard (an error there is not recoverable without a checkpoint).
-    """
-
-    def __init__(self) -> None:
-        self.hit = False
-        self.message = ""
-
-    def __enter__(self) -> OutOfMemoryGuard:
-        self.hit = False
-        return self
-
-    def __exit__(self, typ: Any, exc: Any, tb: Any) -> bool:
-        if typ is not None and issubclass(typ, torch.OutOfMemoryError):
-            self.hit = True
-            self.message = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
-            return True
-        return False
-
-    def shrink(self, micro: int, accumulation: int, batches_done: int) -> tuple[int, int, int]:
-        """(micro, accumulation, micro-batches to skip) to redo the current window with.
-
-        Every window before the current one is full (only an epoch's last window is short), so the
-        windows done are (batches_done - 1) // accumulation, and the rebuilt loader - whose
-        windows hold the same samples (`WindowedBatchSampler`) - skips that many windows.
-
-        Raises:
-            UserError: the micro-batch is 1 already.
-        """
-        if micro == 1:
-            raise UserError(
-                f"out of memory at micro-batch 1 ({self.message}); try precision.mode=bf16, "
-                "model.gradient_checkpointing=true, model.lora or a shorter data.max_length "
-                "(`finetune plan` shows where the memory goes)"
-            )
-        windows_done = (batches_done - 1) // accumulation
-        new_micro, new_acc = smaller_micro_batch(micro, accumulation)
-        logger.warning(
-            f"out of memory at micro-batch {micro} x accumulation {accumulation} ({self.message}); "
-            f"redoing the window with micro-batch {new_micro} x accumulation {new_acc} (same effective batch)"
-        )
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the failed window's blocks
-        return new_micro, new_acc, windows_done * new_acc
+# Out of memory inside the optimizer step: not recoverable in place.
 
 
 def optimizer_step_out_of_memory(step: int, exc: BaseException, last_checkpoint: Path | None) -> UserError:

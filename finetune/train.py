@@ -80,7 +80,6 @@ from finetune.precision import (
     release_cached_memory,
 )
 from finetune.runtime import (
-    OutOfMemoryGuard,
     Preempted,
     PreemptionGuard,
     apply_num_threads,
@@ -95,6 +94,7 @@ from finetune.runtime import (
     several_processes,
     tracker_init_kwargs,
 )
+from finetune.window import OutOfMemoryGuard, adapt_to_launch, window_loss
 
 logger = logging.getLogger("finetune")
 
@@ -390,7 +390,7 @@ def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> Trai
     """
     acc = run.accelerator
     progress = ckpt.load_checkpoint(acc, path)
-    ckpt.adapt_to_launch(progress, fresh.micro_batch_size, fresh.gradient_accumulation_steps, acc.num_processes, path)
+    adapt_to_launch(progress, fresh.micro_batch_size, fresh.gradient_accumulation_steps, acc.num_processes, path)
     progress.data_sha256 = fresh.data_sha256
     if (progress.micro_batch_size, progress.gradient_accumulation_steps) != (
         fresh.micro_batch_size, fresh.gradient_accumulation_steps,
@@ -455,10 +455,7 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
             gamma = cfg.train.focal_gamma if cfg.train.loss == "focal" else None
             loss_per_sample = fp32_per_sample_loss(logits, labels, cfg.model.problem_type, gamma)
             per_sample = faults.nonfinite_point(loss_per_sample * weight, progress.step + 1)
-            # Exact accumulation: sum over the window's true sample count (short tail window and
-            # all processes included); x G x P cancels Accelerate's /G and DDP's mean.
-            loss = per_sample.sum() * (G * P) / window_samples
-            acc.backward(loss)
+            acc.backward(window_loss(per_sample, window_samples, G, P))  # exact accumulation, tail window included
         if run.oom.hit:
             if P > 1:  # the other processes are in this step's collectives: no rank may redo it alone
                 raise UserError(f"out of memory on one of {P} processes ({run.oom.message}); the micro-batch "
@@ -516,14 +513,10 @@ def recover_from_oom(run: Run, progress: TrainingProgress, loader: Any) -> None:
         UserError: the micro-batch is 1 already.
     """
     run.model.zero_grad(set_to_none=True)
-    micro, G, skip = run.oom.shrink(progress.micro_batch_size, progress.gradient_accumulation_steps,
-                                    progress.batches_in_epoch)
-    progress.micro_batch_size, progress.gradient_accumulation_steps, progress.batches_in_epoch = micro, G, skip
-    run.memory.config_summary.update(micro_batch_size=micro, gradient_accumulation_steps=G)  # memory.json: what runs
-    if hasattr(loader, "end"):
-        loader.end()  # leave Accelerate's end-of-dataloader tracking to the new loader
+    run.oom.redo_window(progress, run.accelerator, loader)
+    run.memory.config_summary.update(micro_batch_size=progress.micro_batch_size,  # memory.json: what runs
+                                     gradient_accumulation_steps=progress.gradient_accumulation_steps)
     rebuild_train_loader(run, progress)
-    run.accelerator.step = 0
 
 
 def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:

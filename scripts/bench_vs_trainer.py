@@ -153,7 +153,7 @@ def run_finetune(
 ) -> dict[str, Any]:
     """finetune's real code path; samples/s and padding as its loop logged them (`packed`: data.packing=true)."""
     import finetune.train as ft
-    from finetune.data import WindowedBatchSampler
+    from finetune.window import WindowedBatchSampler
 
     # CPU time of the loop, for a shared machine: from the loop's first set_epoch to the final
     # evaluation (the first evaluate call when there is no evaluation during training)

@@ -23,6 +23,7 @@ LAYERS = [
     "precision",
     "model",
     "packing",
+    "window",
     "reading",
     "data",
     "optim",

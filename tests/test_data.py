@@ -12,7 +12,7 @@ from conftest import CONFIGS
 
 from finetune.config import Config
 from finetune.config_io import load_config
-from finetune.data import Collator, WindowedBatchSampler, build_data_report, tokenize_split
+from finetune.data import Collator, build_data_report, tokenize_split
 from finetune.reading import load_raw_splits
 
 
@@ -146,58 +146,7 @@ def test_data_report_counts(data_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Batching (no data directory needed).
-
-
-def _windows(sampler: WindowedBatchSampler) -> list[list[tuple[int, int, float]]]:
-    return list(iter(sampler))
-
-
-def test_sampler_stamps_window_sizes_on_ragged_tail() -> None:
-    s = WindowedBatchSampler([5] * 10, batch_size=4, accumulation=2, seed=0, group_by_length=False)
-    batches = _windows(s)
-    assert [len(b) for b in batches] == [4, 4, 2]
-    assert [{it[1] for it in b} for b in batches] == [{8}, {8}, {2}]
-    assert sorted(it[0] for b in batches for it in b) == list(range(10))
-    assert s.num_windows() == 2 and len(s) == 3
-
-
-@pytest.mark.parametrize("group_by_length", [True, False])
-def test_heaviest_window_has_the_most_padded_tokens(group_by_length: bool) -> None:
-    lengths = [(i * 37) % 61 + 2 for i in range(203)]  # a ragged tail: 203 rows in windows of 3 x 4
-    s = WindowedBatchSampler(lengths, batch_size=4, accumulation=3, seed=5, group_by_length=group_by_length)
-    s.set_epoch(1)
-    batches = _windows(s)  # the micro-batches as the loader receives them, 3 to a window
-    cost = [max((len(b) * max(lengths[i] for i, _, _ in b), max(lengths[i] for i, _, _ in b)) for b in batches[w:w + 3])
-            for w in range(0, len(batches), 3)]  # fmt: skip
-    assert s.heaviest_window() == cost.index(max(cost))
-    assert s.heaviest_window(limit=5) == cost.index(max(cost[:5]))
-
-
-def test_sampler_is_seeded_per_epoch() -> None:
-    lengths = [(i * 13) % 31 + 1 for i in range(200)]
-    a = WindowedBatchSampler(lengths, batch_size=8, accumulation=1, seed=3)
-    b = WindowedBatchSampler(lengths, batch_size=8, accumulation=1, seed=3)
-    assert a.batches() == b.batches()
-    e0 = a.batches()
-    a.set_epoch(1)
-    assert a.batches() != e0
-    b.set_epoch(1)
-    assert a.batches() == b.batches()
-    assert WindowedBatchSampler(lengths, batch_size=8, accumulation=1, seed=4).batches() != e0
-
-
-def test_length_grouping_reduces_padding() -> None:
-    lengths = [(i * 37) % 120 + 3 for i in range(400)]
-
-    def padding(group: bool) -> int:
-        s = WindowedBatchSampler(lengths, batch_size=16, accumulation=1, seed=0, group_by_length=group)
-        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in s.batches())
-
-    assert padding(True) < padding(False) / 3
-    s = WindowedBatchSampler(lengths[:390], batch_size=16, accumulation=1, seed=0)
-    sizes = [len(b) for b in s.batches()]
-    assert sizes[:-1] == [16] * (len(sizes) - 1) and sizes[-1] == 390 % 16  # only the last batch is short
+# Collating (the sampler is tested in tests/test_window.py).
 
 
 def test_collator_pads_and_carries_window(data_dir: Path) -> None:

@@ -20,11 +20,12 @@ from safetensors.torch import load_file
 
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
-from finetune.data import WindowedBatchSampler, Windowing, encode_texts, sample_weights
+from finetune.data import Windowing, encode_texts, sample_weights
 from finetune.metrics import per_text
 from finetune.model import build_tokenizer
 from finetune.precision import fp32_per_sample_loss
 from finetune.train import main
+from finetune.window import WindowedBatchSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 

@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from accelerate.data_loader import BatchSamplerShard
 from safetensors.torch import load_file
 
-from finetune.data import WindowedBatchSampler
+from finetune.window import WindowedBatchSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
@@ -69,26 +68,6 @@ def _launch_two(config: Path, overrides: list[str], fault: str | None = None) ->
         str(ROOT / "finetune" / "train.py"), "--config", str(config), *overrides,
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-
-
-def test_sampler_under_accelerate_shards_covers_each_sample_once() -> None:
-    """Every rank gets equal, full slices; weight-1 items cover the epoch exactly once."""
-    lengths = [(i * 7) % 23 + 3 for i in range(90)]
-    P, micro, G = 2, 4, 5
-    sampler = WindowedBatchSampler(lengths, batch_size=micro * P, accumulation=G, seed=0, pad_to_multiple=P)
-    shards = [list(BatchSamplerShard(sampler, num_processes=P, process_index=r, split_batches=True)) for r in range(P)]
-    assert len(shards[0]) == len(shards[1]) == len(sampler) == 12
-    assert all(len(b) == micro for shard in shards for b in shard)
-    counted = [i for shard in shards for b in shard for (i, _, w) in b if w == 1.0]
-    assert sorted(counted) == list(range(90))
-    # every item of a window carries that window's real sample count (summed over ranks)
-    windows = [
-        sum(1 for r in range(P) for b in shards[r][w : w + G] for it in b if it[2] == 1.0) for w in range(0, 12, G)
-    ]
-    assert windows == [40, 40, 10]
-    for r in range(P):
-        for w in range(0, 12, G):
-            assert {it[1] for b in shards[r][w : w + G] for it in b} == {windows[w // G]}
 
 
 def _lr_rows(run: Path) -> list[tuple[int, float]]:
@@ -449,46 +428,3 @@ def test_resume_one_process_checkpoint_on_two_processes(
     last = _weights(run / "checkpoints" / "step_00000003" / "model.safetensors")
     diff = _max_diff(last, sgd_setup.steps[-1])
     assert diff <= sgd_setup.tolerance(), f"max abs weight difference {diff}"
-
-
-def test_adapt_to_launch() -> None:
-    """Resuming under another launch: the effective batch must stay; the split follows the launch."""
-    from finetune.checkpoint import TrainingProgress, adapt_to_launch
-    from finetune.errors import UserError
-
-    where = Path("run/checkpoints/step_00000002")
-
-    def saved(batches: int, micro: int, G: int, P: int | None) -> TrainingProgress:
-        return TrainingProgress(
-            step=2, batches_in_epoch=batches, micro_batch_size=micro, gradient_accumulation_steps=G, num_processes=P
-        )
-
-    def layout(p: TrainingProgress) -> tuple[int, int, int | None, int]:
-        return p.micro_batch_size, p.gradient_accumulation_steps, p.num_processes, p.batches_in_epoch
-
-    # another effective batch: refused, naming both layouts' process counts; progress untouched
-    p = saved(10, 8, 5, 1)
-    with pytest.raises(UserError) as info:
-        adapt_to_launch(p, 8, 5, 2, where)
-    msg = str(info.value)
-    assert "1 process(es) x micro-batch 8 x accumulation 5 = effective batch 40" in msg
-    assert "2 process(es) x micro-batch 8 x accumulation 5 = 80" in msg
-    assert str(where) in msg
-    assert layout(p) == (8, 5, 1, 10)
-
-    # the same effective batch split otherwise: batches_in_epoch converted through the windows done
-    p = saved(10, 4, 5, 2)
-    adapt_to_launch(p, 4, 10, 1, where)  # 2 x 4 x 5 -> 1 x 4 x 10: two windows of 5 global batches -> of 10
-    assert layout(p) == (4, 10, 1, 20)
-    p = saved(3, 32, 1, 1)
-    adapt_to_launch(p, 4, 2, 4, where)  # 1 x 32 x 1 -> 4 x 4 x 2: three windows of 1 batch -> of 2
-    assert layout(p) == (4, 2, 4, 6) and p.effective_batch == 32
-
-    # the same process count: the checkpoint's micro-batch stays (an out-of-memory retry halved it)
-    p = saved(20, 2, 10, 2)
-    adapt_to_launch(p, 4, 5, 2, where)
-    assert layout(p) == (2, 10, 2, 20)
-    # a checkpoint that did not record its process count counts as this launch's
-    p = saved(20, 2, 10, None)
-    adapt_to_launch(p, 4, 5, 2, where)
-    assert layout(p) == (2, 10, 2, 20)

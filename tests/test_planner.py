@@ -1,5 +1,5 @@
-"""Memory planner: prediction vs a real MemTracker measurement, the CLI, auto micro-batch, and the
-out-of-memory retry that keeps the effective batch (issue 5)."""
+"""Memory planner: prediction vs a real MemTracker measurement, the CLI and auto micro-batch (the
+out-of-memory retry that keeps the effective batch is tested in tests/test_window.py)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import safetensors.torch as st
 import torch
 from conftest import TINY
 
-from finetune import faults
 from finetune.config_io import load_config
 from finetune.errors import UserError
-from finetune.optim import micro_batch_ladder, resolve_batch, smaller_micro_batch
 from finetune.peak import CATEGORIES, CUDA_ALLOCATOR_FRACTION, CUDA_CONTEXT_BYTES
 from finetune.planner import plan, predict_peak
-from finetune.runtime import OutOfMemoryGuard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from benchlib import measure_real  # noqa: E402  (the real-tensor reference lives with the benchmarks)
@@ -160,56 +156,6 @@ def test_plan_cli_json_and_cuda_margin(data_dir: Path, capsys: pytest.CaptureFix
     assert "micro" in capsys.readouterr().err
 
 
-def test_batch_size_resolution_and_errors(tmp_path: Path) -> None:
-    def cfg(*overrides: str) -> Any:
-        return load_config(TINY, list(overrides))
-
-    assert resolve_batch(cfg(), 1) == (16, 2, 32)  # tiny-debug: explicit micro 16 x 2
-    # batch_size with the two keys removed replaces them
-    raw = TINY.read_text().replace("  micro_batch_size: 16\n", "").replace("  gradient_accumulation_steps: 2\n", "")
-    bare = tmp_path / "bare.yaml"
-    bare.write_text(raw)
-    assert resolve_batch(load_config(bare, ["train.batch_size=64"]), 1) == (64, 1, 64)
-    assert resolve_batch(load_config(bare, ["train.batch_size=64"]), 2) == (32, 1, 64)
-    assert resolve_batch(load_config(bare, ["train.batch_size=64", "train.micro_batch_size=16"]), 1) == (16, 4, 64)
-    assert resolve_batch(
-        load_config(bare, ["train.batch_size=64", "train.micro_batch_size=auto", "memory.budget_gb=1"]), 1
-    ) == (None, None, 64)
-    assert resolve_batch(cfg("train.batch_size=32"), 1) == (16, 2, 32)  # all three agree
-    for overrides, P in ((["train.batch_size=64"], 1), (["train.batch_size=32"], 2), (["train.batch_size=48"], 1)):
-        with pytest.raises(UserError) as err:
-            resolve_batch(cfg(*overrides), P)
-        msg = str(err.value)
-        assert (
-            "train.batch_size" in msg and "train.micro_batch_size" in msg and "train.gradient_accumulation_steps" in msg
-        )
-    with pytest.raises(UserError, match="train.batch_size.*train.micro_batch_size.*train.gradient_accumulation_steps"):
-        cfg("train.batch_size=40")  # not a multiple of 16 x 2: refused when the config is read
-    with pytest.raises(UserError, match="memory.budget_gb"):
-        cfg("train.micro_batch_size=auto", "train.batch_size=32")
-
-
-def test_ladder_and_smaller_micro_batch() -> None:
-    assert micro_batch_ladder(32) == [1, 2, 4, 8, 16, 32]
-    assert micro_batch_ladder(24) == [1, 2, 4, 8, 24]
-    assert smaller_micro_batch(16, 2) == (8, 4)
-    assert smaller_micro_batch(6, 1) == (3, 2)
-    assert smaller_micro_batch(3, 4) == (1, 12)
-    guard = OutOfMemoryGuard()
-    with guard:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert guard.hit and "Tried to allocate" in guard.message
-    assert guard.shrink(16, 2, batches_done=6) == (8, 4, 8)  # 2 windows done, redo the 3rd at micro 8
-    with pytest.raises(UserError, match="micro-batch 1"):
-        guard.shrink(1, 32, batches_done=3)
-    with pytest.raises(ValueError), OutOfMemoryGuard():
-        raise ValueError("other errors pass through")
-
-
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return st.load_file(str(run_dir / "final" / "model.safetensors"))
-
-
 def test_auto_micro_batch_picks_a_fitting_setting(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
     from finetune.model import build_tokenizer
     from finetune.train import main
@@ -236,48 +182,6 @@ def test_auto_micro_batch_picks_a_fitting_setting(tiny_config: Callable[..., Pat
         f"micro-batch {best.micro_batch_size} x accumulation {best.gradient_accumulation_steps} = effective batch 32"
         in log
     )
-
-
-def test_injected_oom_redoes_the_window_at_half_the_micro_batch(
-    tiny_config: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """OOM in step 3's window at micro 16 x 2 (then a preemption and a resume): the same final weights
-    as a run at micro 8 x 4 from the start; the checkpoint keeps the smaller micro-batch."""
-    from finetune.train import main
-
-    base = {"data.max_train_samples": 200, "data.max_eval_samples": 16, "checkpoint.every_steps": 2}
-    a = tiny_config(base, name="a.yaml")
-    monkeypatch.setenv(faults.ENV, "oom_at_step:3,sigterm_at_step:5")
-    assert main(["--config", str(a)]) == 143  # preempted after step 5, checkpoint written
-    progress = json.loads(sorted((tmp_path / "run" / "checkpoints").glob("step_*/progress.json"))[-1].read_text())
-    assert (progress["step"], progress["micro_batch_size"], progress["gradient_accumulation_steps"]) == (5, 8, 4)
-    report = json.loads(sorted((tmp_path / "run" / "checkpoints").glob("step_*/memory.json"))[-1].read_text())
-    assert (report["config"]["micro_batch_size"], report["config"]["gradient_accumulation_steps"]) == (8, 4)
-    monkeypatch.delenv(faults.ENV)
-    assert main(["--config", str(a), "checkpoint.resume=auto"]) == 0
-    log = (tmp_path / "run" / "train.log").read_text()
-    assert (
-        "out of memory at micro-batch 16 x accumulation 2" in log
-        and "resuming with micro-batch 8 x accumulation 4" in log
-    )
-    got = _final_weights(tmp_path / "run")
-    b = tiny_config(
-        {
-            **base,
-            "run.output_dir": str(tmp_path / "b"),
-            "train.micro_batch_size": 8,
-            "train.gradient_accumulation_steps": 4,
-        },
-        name="b.yaml",
-    )
-    assert main(["--config", str(b)]) == 0
-    want = _final_weights(tmp_path / "b")
-    assert got.keys() == want.keys()
-    assert max((got[k] - want[k]).abs().max().item() for k in got) <= 1e-6
-    # and the weights moved: the comparison is not between two untrained models
-    c = tiny_config({**base, "run.output_dir": str(tmp_path / "c"), "train.max_steps": 1}, name="c.yaml")
-    assert main(["--config", str(c)]) == 0
-    assert max((got[k] - v).abs().max().item() for k, v in _final_weights(tmp_path / "c").items()) > 1e-4
 
 
 def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:

@@ -20,10 +20,10 @@ from sklearn.metrics import f1_score
 
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
-from finetune.data import WindowedBatchSampler
 from finetune.metrics import compute_metrics, tune_thresholds
 from finetune.reading import load_raw_splits
 from finetune.train import main
+from finetune.window import WindowedBatchSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,9 +1,8 @@
-"""The training loop: exact gradient accumulation on ragged windows, the step budget, and one real
-`accelerate launch` run end to end whose exported model loads in a `transformers.pipeline`."""
+"""The training loop: the step budget, and one real `accelerate launch` run end to end whose exported
+model loads in a `transformers.pipeline` (exact accumulation is tested in tests/test_window.py)."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -15,165 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import ROOT, TINY
 
 import finetune.train as train_mod
 from finetune import runtime
 from finetune.config_io import load_config, parse_yaml12, validate_config
-from finetune.data import Collator
 from finetune.final import export_final
-
-# Plain SGD, lr 1, no decay/clipping/warmup, fixed order: the optimizer sees exactly the accumulated gradient.
-EXACT = {
-    "data.max_train_samples": 10,
-    "data.max_eval_samples": 8,
-    "data.group_by_length": False,
-    "train.optimizer": "sgd",
-    "train.learning_rate": 1.0,
-    "train.weight_decay": 0.0,
-    "train.max_grad_norm": None,
-    "train.lr_scheduler": "constant",
-    "train.warmup_steps": 0,
-    "train.epochs": 1,
-    "train.log_every_steps": 1,
-}
-
-
-class _Spy:
-    """Wraps train.py's build_* functions to record the data order and, before each optimizer step,
-    the parameters and the gradient the optimizer is about to apply."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.steps: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
-        self.ref_model: torch.nn.Module | None = None
-        self.loader_args: tuple[Any, ...] = ()
-        self.sampler: Any = None
-        real_loader, real_opt = train_mod.build_train_loader, train_mod.build_optimizer
-
-        def build_train_loader(ds: Any, tokenizer: Any, *args: Any) -> Any:
-            loader, sampler = real_loader(ds, tokenizer, *args)
-            self.loader_args, self.sampler = (ds, tokenizer), sampler
-            return loader, sampler
-
-        def build_optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
-            opt = real_opt(cfg, model)
-            self.ref_model = copy.deepcopy(model)
-            names = {id(p): n for n, p in model.named_parameters()}
-
-            def pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-                params = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
-                self.steps.append(
-                    (
-                        {n: p.detach().clone() for n, p in params.items()},
-                        {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None},
-                    )
-                )
-
-            opt.register_step_pre_hook(pre_step)
-            return opt
-
-        monkeypatch.setattr(train_mod, "build_train_loader", build_train_loader)
-        monkeypatch.setattr(train_mod, "build_optimizer", build_optimizer)
-
-
-def _window_gradients(
-    spy: _Spy, windows: list[list[list[int]]], params: list[dict[str, torch.Tensor]], loss_of: Callable
-) -> list[dict[str, torch.Tensor]]:
-    """Gradients an independent plain-torch computation gets at the given parameters for each window."""
-    ds, tokenizer = spy.loader_args
-    collate = Collator(tokenizer)
-    model = spy.ref_model
-    assert model is not None
-    model.train()
-    out = []
-    for window, p0 in zip(windows, params, strict=True):
-        model.load_state_dict(p0, strict=False)
-        model.zero_grad(set_to_none=True)
-        micro_losses = []
-        for micro in window:
-            batch = collate([dict(ds[i]) for i in micro])
-            labels = batch.pop("labels")
-            per_sample = F.cross_entropy(model(**batch).logits.float(), labels, reduction="none")
-            micro_losses.append(per_sample)
-        loss_of(micro_losses).backward()
-        out.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-    return out
-
-
-def _rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    diff = torch.cat([(a[k] - b[k]).flatten() for k in a]).norm()
-    return float(diff / torch.cat([b[k].flatten() for k in b]).norm())
-
-
-def test_accumulated_gradient_equals_full_batch_gradient_on_ragged_windows(
-    tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # 10 samples, micro-batch 4, accumulation 2: micro-batches [4, 4, 2] -> windows [4, 4] and [2]
-    spy = _Spy(monkeypatch)
-    cfg = tiny_config({**EXACT, "train.micro_batch_size": 4, "train.gradient_accumulation_steps": 2})
-    assert train_mod.main(["--config", str(cfg)]) == 0
-
-    spy.sampler.set_epoch(0)
-    batches = spy.sampler.batches()
-    assert [len(b) for b in batches] == [4, 4, 2]
-    windows = [batches[0:2], batches[2:3]]
-    assert len(spy.steps) == 2  # one optimizer step per window, the short tail included
-    params = [p for p, _ in spy.steps]
-    loop_grads = [g for _, g in spy.steps]
-
-    # full-batch gradient of each window: the mean loss over all of the window's samples
-    full = _window_gradients(spy, windows, params, lambda ls: torch.cat(ls).mean())
-    errors = [_rel_err(g, f) for g, f in zip(loop_grads, full, strict=True)]
-    assert max(errors) <= 1e-5, errors
-
-    # the test can tell: the usual per-micro-batch mean divided by the accumulation count (what
-    # `loss.mean()` + Accelerate's division gives) is right for the [4, 4] window and wrong for [2]
-    naive = _window_gradients(spy, windows, params, lambda ls: sum(micro_loss.mean() for micro_loss in ls) / 2)
-    assert _rel_err(naive[0], full[0]) <= 1e-5
-    assert _rel_err(naive[1], full[1]) > 0.4
-
-    # and SGD with lr 1 applied exactly that gradient (the second step starts from p - g)
-    step1 = {n: params[0][n] - loop_grads[0][n] for n in loop_grads[0]}
-    assert _rel_err({n: params[1][n] for n in step1}, step1) <= 1e-6
-
-
-def test_batch_layouts_with_the_same_windows_train_the_same_weights(
-    tiny_config: Callable[..., Path], tmp_path: Path
-) -> None:
-    """micro 4 x accumulation 2 and micro 8 x accumulation 1 both make windows [8] and [2]."""
-    from safetensors.torch import load_file
-
-    a = tiny_config(
-        {
-            **EXACT,
-            "train.micro_batch_size": 4,
-            "train.gradient_accumulation_steps": 2,
-            "run.output_dir": str(tmp_path / "a"),
-        },
-        name="a.yaml",
-    )
-    b = tiny_config(
-        {
-            **EXACT,
-            "train.micro_batch_size": 8,
-            "train.gradient_accumulation_steps": 1,
-            "run.output_dir": str(tmp_path / "b"),
-        },
-        name="b.yaml",
-    )
-    assert train_mod.main(["--config", str(a)]) == 0
-    assert train_mod.main(["--config", str(b)]) == 0
-    wa, wb = (
-        load_file(tmp_path / "a" / "final" / "model.safetensors"),
-        load_file(tmp_path / "b" / "final" / "model.safetensors"),
-    )
-    assert wa.keys() == wb.keys()
-    moved = max((wa[k] - wb[k]).abs().max().item() for k in wa)
-    assert moved <= 1e-5
-    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
 
 
 def test_max_steps_ends_the_run_and_the_schedule(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
