@@ -570,7 +570,7 @@ class Config(_Section):
         if t.micro_batch_size == "auto" and t.batch_size is None:
             raise ValueError("train.micro_batch_size=auto needs train.batch_size (the effective batch to keep)")
         # effective batch = micro-batch x accumulation x processes: batch_size alone replaces the two
-        # keys; with both given they must agree (the process count is checked at launch, planner.resolve_batch)
+        # keys; with both given they must agree (the process count is checked at launch, window.resolve_batch)
         given = t.model_fields_set
         if t.batch_size is not None and t.micro_batch_size != "auto" and "micro_batch_size" in given:
             per_window = int(t.micro_batch_size) * (
