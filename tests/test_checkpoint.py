@@ -292,3 +292,9 @@ def test_configure_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.are_deterministic_algorithms_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_keys_that_may_change_on_resume_are_the_old_list() -> None:
+    from finetune.config import keys_that_may_change_on_resume
+
+    assert keys_that_may_change_on_resume() == ckpt.HARMLESS_KEYS
