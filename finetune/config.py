@@ -439,7 +439,9 @@ class PrecisionConfig(_Section):
         False, description="run even when the dtype audit finds tensors contradicting the policy"
     )
     empty_cache: bool = Field(
-        True, description="release cached CUDA blocks at epoch ends and before evaluation", json_schema_extra=MAY_CHANGE_ON_RESUME
+        True,
+        description="release cached CUDA blocks at epoch ends and before evaluation",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     deterministic: bool = Field(False, description="deterministic kernels (bitwise exact resume on CUDA; slower)")
 
@@ -468,7 +470,9 @@ class CheckpointConfig(_Section):
         "lower is better); default per model.problem_type: accuracy, micro_f1, pearson",
     )
     export: Literal["last", "best"] = Field(
-        "last", description="what final/ holds: the last weights or the best checkpoint's", json_schema_extra=MAY_CHANGE_ON_RESUME
+        "last",
+        description="what final/ holds: the last weights or the best checkpoint's",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
 
     @model_validator(mode="after")
@@ -557,7 +561,9 @@ class SweepConfig(_Section):
         json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     startup_trials: NonNegativeInt = Field(
-        3, description="trials that run to the end before median pruning may stop a trial early", json_schema_extra=MAY_CHANGE_ON_RESUME
+        3,
+        description="trials that run to the end before median pruning may stop a trial early",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     warmup_evaluations: NonNegativeInt = Field(
         0,
