@@ -36,6 +36,7 @@ from finetune import faults
 from finetune.config import Config, keys_that_may_change_on_resume
 from finetune.config_io import parse_yaml12, validate_config
 from finetune.errors import UserError
+from finetune.tasks import lower_is_better
 
 logger = logging.getLogger("finetune")
 
@@ -43,9 +44,6 @@ PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written (never named step_*)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (renamed first, so deletion is atomic too)
-
-# Metrics where lower is better; any other metric (accuracy, macro_f1, ...) is maximised.
-LOWER_IS_BETTER = {"loss", "mse"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,10 +531,10 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> TrainingProgress:
 
 
 def is_better(metric: str, new: float, old: float | None) -> bool:
-    """Whether `new` improves on `old` for `metric` (loss: lower; everything else: higher)."""
+    """Whether `new` improves on `old` for `metric` (lower for loss and mse, `tasks.METRICS`; else higher)."""
     if old is None or (isinstance(old, float) and math.isnan(old)):
         return not math.isnan(new)
-    return new < old if metric in LOWER_IS_BETTER else new > old
+    return new < old if lower_is_better(metric) else new > old
 
 
 def update_best(best: dict[str, Any], metric: str, metrics: dict[str, Any], step: int) -> bool:

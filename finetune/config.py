@@ -25,16 +25,14 @@ from pydantic import (
     model_validator,
 )
 
+from finetune.tasks import METRICS, PROBLEM_TYPES
+
 # ----------------------------------------------------------------------------------------------
 # The schema.
 
-
-# evaluation metrics per problem type, the default `checkpoint.best_metric` first
-METRICS_BY_PROBLEM_TYPE = {
-    "single_label_classification": ("accuracy", "macro_f1", "loss"),
-    "multi_label_classification": ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
-    "regression": ("pearson", "spearman", "mse", "loss"),
-}
+# the names the schema accepts come from the registry (finetune.tasks): Literal[...] of these tuples
+_PROBLEM_TYPES = tuple(PROBLEM_TYPES)
+_METRICS = tuple(METRICS)
 
 
 # Resume compares the checkpoint's config with the current one key by key (`checkpoint.config_differences`)
@@ -88,7 +86,7 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     """`model`: pretrained model or from-scratch architecture, tokenizer, memory switches, compile."""
 
-    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] = Field(
+    problem_type: Literal[_PROBLEM_TYPES] = Field(
         "single_label_classification",
         description="transformers' problem_type, written into final/config.json: one label per text (softmax), "
         "any number of labels per text (sigmoid, per-label thresholds), or a real-valued score (one output)",
@@ -462,12 +460,12 @@ class CheckpointConfig(_Section):
     keep_last: PositiveInt = Field(
         2, description="keep the newest N checkpoints (and the best)", json_schema_extra=MAY_CHANGE_ON_RESUME
     )
-    best_metric: (
-        Literal["accuracy", "macro_f1", "micro_f1", "subset_accuracy", "pearson", "spearman", "mse", "loss"] | None
-    ) = Field(
+    best_metric: Literal[_METRICS] | None = Field(
         None,
-        description="the evaluation metric that picks the best checkpoint and drives early stopping (loss and mse: "
-        "lower is better); default per model.problem_type: accuracy, micro_f1, pearson",
+        description="the evaluation metric that picks the best checkpoint and drives early stopping ("
+        + " and ".join(sorted(m.name for m in METRICS.values() if m.lower_is_better))
+        + ": lower is better); default per model.problem_type: "
+        + ", ".join(p.headline[0] for p in PROBLEM_TYPES.values()),
     )
     export: Literal["last", "best"] = Field(
         "last",
@@ -643,7 +641,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _problem_type(self) -> Config:
         kind, d = self.model.problem_type, self.data
-        allowed = METRICS_BY_PROBLEM_TYPE[kind]
+        allowed = PROBLEM_TYPES[kind].best_metrics
         if self.checkpoint.best_metric is None:
             self.checkpoint.best_metric = allowed[0]
         elif self.checkpoint.best_metric not in allowed:
