@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from finetune.tasks import METRICS, PROBLEM_TYPES
+from finetune.tasks import METRICS, MULTI, PROBLEM_TYPES, REGRESSION, SINGLE
 
 # ----------------------------------------------------------------------------------------------
 # The schema.
@@ -87,7 +87,7 @@ class ModelConfig(_Section):
     """`model`: pretrained model or from-scratch architecture, tokenizer, memory switches, compile."""
 
     problem_type: Literal[_PROBLEM_TYPES] = Field(
-        "single_label_classification",
+        SINGLE,
         description="transformers' problem_type, written into final/config.json: one label per text (softmax), "
         "any number of labels per text (sigmoid, per-label thresholds), or a real-valued score (one output)",
     )
@@ -649,19 +649,19 @@ class Config(_Section):
                 f"checkpoint.best_metric={self.checkpoint.best_metric} is not a metric of model.problem_type={kind}; "
                 f"choose one of {list(allowed)}"
             )
-        if kind != "multi_label_classification" and (d.label_columns is not None or d.label_delimiter is not None):
+        if kind != MULTI and (d.label_columns is not None or d.label_delimiter is not None):
             raise ValueError(
                 "data.label_columns / data.label_delimiter describe multi-label data: set "
                 "model.problem_type=multi_label_classification"
             )
-        if kind == "regression" and (d.labels is not None or d.label_map is not None or d.label_files is not None):
+        if kind == REGRESSION and (d.labels is not None or d.label_map is not None or d.label_files is not None):
             raise ValueError(
                 "model.problem_type=regression has one real-valued label: remove data.labels / "
                 "data.label_map / data.label_files"
             )
-        if kind != "single_label_classification" and self.train.class_weights is not None:
+        if kind != SINGLE and self.train.class_weights is not None:
             raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
-        if kind == "regression" and self.train.loss == "focal":
+        if kind == REGRESSION and self.train.loss == "focal":
             raise ValueError("train.loss=focal is a classification loss; model.problem_type=regression uses MSE")
         if d.truncation is not None and d.chunk_stride is not None:
             raise ValueError("data.truncation and data.chunk_stride exclude each other: chunks keep every token")
@@ -672,7 +672,7 @@ class Config(_Section):
             )
         if d.text_pair_column is not None and (d.chunk_stride is not None or d.truncation not in (None, "head")):
             raise ValueError("data.chunk_stride and data.truncation=tail/head_tail take single texts, not pairs")
-        if kind == "multi_label_classification" and d.label_files is not None:
+        if kind == MULTI and d.label_files is not None:
             raise ValueError(
                 "data.label_files gives one label per text: use model.problem_type=single_label_classification"
             )

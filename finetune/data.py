@@ -25,7 +25,8 @@ from torch.utils.data import Dataset as TorchDataset
 
 from finetune.config import Config
 from finetune.errors import UserError
-from finetune.reading import MULTI, REGRESSION, SINGLE, RawSplits, load_raw_splits
+from finetune.reading import RawSplits, load_raw_splits
+from finetune.tasks import MULTI, REGRESSION, SINGLE
 
 logger = logging.getLogger("finetune")
 datasets.logging.set_verbosity_error()
