@@ -36,7 +36,7 @@ _METRICS = tuple(METRICS)
 
 
 # Resume compares the checkpoint's config with the current one key by key (`checkpoint.config_differences`)
-# and refuses any difference, a key added later included: a changed value may change the trained weights.
+# and refuses any difference, in a newly added key too: a changed value may change the trained weights.
 # A key that cannot (where files are, intervals, workers, what a sweep searches) is declared
 # `json_schema_extra=MAY_CHANGE_ON_RESUME` beside its default, and `keys_that_may_change_on_resume()`
 # collects them. Only `section.key` fields are declared: resume compares a nested value (model.lora,
