@@ -1,10 +1,14 @@
 """The Hub model card of final/: README.md (YAML metadata + a readable page) and the confusion matrix.
 
-The metadata follows the Hub's model card format (`library_name`, `pipeline_tag`, `base_model`,
-`datasets`, `metrics`, `model-index`); the `model-index` values are eval.json's numbers for the
-weights in final/, copied, never recomputed. The page lists the labels, the problem type, the data
-files with their sha256, precision, peak memory (the run's final memory summary) and the resolved
-training config.
+huggingface_hub writes the card: `ModelCardData` holds the metadata (`library_name`, `pipeline_tag`,
+`base_model`, `datasets`, `metrics`, `tags`) and one `EvalResult` per metric and split, from which it
+builds the `model-index`; `ModelCard` joins that YAML and the page and saves README.md. The values are
+eval.json's numbers for the weights in final/, copied, never recomputed; which metrics appear and
+under which Hub names is the registry's (`tasks.METRICS`). `ModelCard.validate` posts the card to the
+Hub, so it is never called here (training is offline); the checks that run offline are
+`EvalResult`'s and the model-index parsing of `ModelCard.load`, which the tests apply to the card.
+The page lists the labels, the problem type, the data files with their sha256, precision, peak
+memory (the run's final memory summary) and the resolved training config.
 """
 
 from __future__ import annotations
@@ -12,30 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from finetune.config import Config
 from finetune.config_io import dump_config
 from finetune.memory import MIB, at_peak
 from finetune.sources import gguf_origin, hub_id
+from finetune.tasks import METRICS, PROBLEM_TYPES, Metric
 
 CONFUSION_PNG = "confusion_matrix.png"
-# eval.json key -> (model-index metric type, display name, args)
-HUB_METRICS: dict[str, tuple[str, str, dict[str, str] | None]] = {
-    "accuracy": ("accuracy", "Accuracy", None),
-    "macro_f1": ("f1", "Macro F1", {"average": "macro"}),
-    "micro_f1": ("f1", "Micro F1", {"average": "micro"}),
-    "subset_accuracy": ("accuracy", "Subset accuracy (exact match)", None),
-    "pearson": ("pearsonr", "Pearson correlation", None),
-    "spearman": ("spearmanr", "Spearman correlation", None),
-    "mse": ("mse", "Mean squared error", None),
-}
-PROBLEM_TYPES = {
-    "single_label_classification": "single-label classification: one label per text (softmax over the labels)",
-    "multi_label_classification": "multi-label classification: any number of labels per text (a sigmoid per label, "
-                                  "each with its decision threshold)",
-    "regression": "regression: one real-valued score per text",
-}
+TASK = ("text-classification", "Text Classification")  # the model-index task: type, name
+# the metadata keys in the order the card lists them (huggingface_hub's own order would put base_model first)
+KEY_ORDER = ["library_name", "pipeline_tag", "base_model", "datasets", "metrics", "tags"]
 
 
 def base_model(cfg: Config) -> str | None:
@@ -54,37 +46,35 @@ def dataset_name(cfg: Config, files: dict[str, Path]) -> str:
     return train.parent.name if train is not None else "local files"
 
 
-def _metrics(scores: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
-    for key, (kind, name, args) in HUB_METRICS.items():
-        if key in scores:
-            entry: dict[str, Any] = {"type": kind, "value": scores[key], "name": name}
-            if args:
-                entry["args"] = args
-            out.append(entry)
-    return out
+def _on_card(scores: dict[str, Any]) -> list[Metric]:
+    """The registry's card metrics that `scores` (eval.json, or its `test`) holds, in the registry's order."""
+    return [m for m in METRICS.values() if m.hub_type is not None and m.name in scores]
 
 
-def card_metadata(cfg: Config, final: dict[str, Any], files: dict[str, Path], name: str) -> dict[str, Any]:
-    """The card's YAML metadata; `model-index` holds `final`'s (eval.json's) validation and test values."""
+def card_data(cfg: Config, final: dict[str, Any], files: dict[str, Path], name: str) -> ModelCardData:
+    """The card's metadata; its `model-index` holds `final`'s (eval.json's) validation and test values.
+
+    Raises:
+        ValueError: huggingface_hub refuses the evaluation results (a bug here, not the user's).
+    """
     dataset = dataset_name(cfg, files)
-    results = []
-    for split, scores in (("validation", final), ("test", final.get("test") or {})):
-        metrics = _metrics(scores)
-        if metrics:
-            results.append({
-                "task": {"type": "text-classification", "name": "Text Classification"},
-                "dataset": {"name": dataset, "type": dataset, "split": split},
-                "metrics": metrics,
-            })  # fmt: skip
-    meta: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "text-classification"}
-    if base_model(cfg) is not None:
-        meta["base_model"] = base_model(cfg)
-    meta["datasets"] = [dataset]
-    meta["metrics"] = sorted({m["type"] for r in results for m in r["metrics"]})
-    meta["tags"] = ["text-classification", "finetune", cfg.model.problem_type.replace("_", "-")]
-    meta["model-index"] = [{"name": name, "results": results}]
-    return meta
+    results = [
+        EvalResult(task_type=TASK[0], task_name=TASK[1], dataset_type=dataset, dataset_name=dataset,
+                   dataset_split=split, metric_type=m.hub_type, metric_value=scores[m.name], metric_name=m.hub_name,
+                   metric_args=dict(m.hub_args) if m.hub_args else None)
+        for split, scores in (("validation", final), ("test", final.get("test") or {}))
+        for m in _on_card(scores)
+    ]  # fmt: skip
+    return ModelCardData(
+        library_name="transformers",
+        pipeline_tag=TASK[0],
+        base_model=base_model(cfg),  # None: left out
+        datasets=[dataset],
+        metrics=sorted({r.metric_type for r in results}),
+        tags=[TASK[0], "finetune", cfg.model.problem_type.replace("_", "-")],
+        model_name=name,
+        eval_results=results,
+    )
 
 
 def plot_confusion_matrix(matrix: list[list[int]], label_names: list[str], out: Path) -> None:
@@ -135,17 +125,21 @@ def _scores_table(final: dict[str, Any]) -> list[str]:
     """Each split's metrics, with eval.json's bootstrap interval (`<metric>_ci`) where it has one."""
     rows = ["| split | metric | value | bootstrap interval (eval.json) |", "|---|---|---:|---|"]
     for split, scores in (("validation", final), ("test", final.get("test") or {})):
-        for k in (k for k in HUB_METRICS if k in scores):
-            ci = scores.get(f"{k}_ci")
-            rows.append(f"| {split} | {HUB_METRICS[k][1]} | {scores[k]:.4f} | "
+        for m in _on_card(scores):
+            ci = scores.get(f"{m.name}_ci")
+            rows.append(f"| {split} | {m.hub_name} | {scores[m.name]:.4f} | "
                         + (f"{ci[0]:.4f} - {ci[1]:.4f} |" if ci else "- |"))  # fmt: skip
     return rows
 
 
-def card_text(cfg: Config, final: dict[str, Any], label_names: list[str], files: dict[str, Path],
-              sha256: dict[str, str], memory: dict[str, Any] | None, name: str, has_matrix: bool) -> str:
-    """README.md of final/: metadata front matter, then the page."""
-    meta = card_metadata(cfg, final, files, name)
+def model_card(cfg: Config, final: dict[str, Any], label_names: list[str], files: dict[str, Path],
+               sha256: dict[str, str], memory: dict[str, Any] | None, name: str, has_matrix: bool) -> ModelCard:
+    """README.md of final/: the metadata (`card_data`) as front matter, then the page.
+
+    Raises:
+        ValueError: huggingface_hub refuses the metadata (a bug here, not the user's).
+    """
+    meta = card_data(cfg, final, files, name)
     thresholds = final.get("thresholds")
     labels = ["| id | label |" + (" threshold |" if thresholds else ""), "|---:|---|" + ("---:|" if thresholds else "")]
     labels += [f"| {i} | {n} |" + (f" {thresholds[i]:.2f} |" if thresholds else "") for i, n in enumerate(label_names)]
@@ -153,20 +147,20 @@ def card_text(cfg: Config, final: dict[str, Any], label_names: list[str], files:
     data += [f"| {split} | `{path.name}` | `{sha256.get(split, '-')}` |" for split, path in files.items()]
     if cfg.data.hub_dataset is not None and not files:
         data.append(f"| all | hub dataset `{cfg.data.hub_dataset}` | - |")
-    start = f"`{meta['base_model']}`" if "base_model" in meta else f"`{cfg.model.name_or_path}`"
+    start = f"`{meta.base_model}`" if meta.base_model is not None else f"`{cfg.model.name_or_path}`"
     if cfg.model.architecture is not None:
         start = "a model built from scratch (`model.architecture`)"
     elif (gguf := gguf_origin(cfg.model.source)) is not None:
         start += f" (its weights read from the GGUF file `{gguf}` and dequantized: they carry that file's quantization)"
     body = [
         f"# {name}", "",
-        f"A text classifier fine-tuned from {start} on {meta['datasets'][0]} with "
+        f"A text classifier fine-tuned from {start} on {meta.datasets[0]} with "
         f"finetune (final/ holds the {final.get('exported', 'last')} weights, "
         f"optimizer step {final.get('step')}).", "",
         "```python", "from transformers import pipeline", "",
         'classify = pipeline("text-classification", model="PATH_OR_HUB_ID", truncation=True)',
         'print(classify("a fine film"))', "```", "",
-        "## Labels", "", f"Problem type: {PROBLEM_TYPES[cfg.model.problem_type]}.", "", *labels, "",
+        "## Labels", "", f"Problem type: {PROBLEM_TYPES[cfg.model.problem_type].description}.", "", *labels, "",
         "## Evaluation", "", "The numbers of eval.json for these weights (the model-index above holds the same).", "",
         *_scores_table(final), "",
         *([f"![confusion matrix]({CONFUSION_PNG})", ""] if has_matrix else []),
@@ -178,8 +172,9 @@ def card_text(cfg: Config, final: dict[str, Any], label_names: list[str], files:
         "The resolved training config (`finetune train --config` reproduces the run with the same data):", "",
         "```yaml", dump_config(cfg).rstrip(), "```", "",
     ]  # fmt: skip
-    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True)
-    return f"---\n{front}---\n\n" + "\n".join(body)
+    # ModelCard parses the front matter back into ModelCardData (the model-index into EvalResults) and
+    # keeps the order of its keys when it writes the card
+    return ModelCard(f"---\n{meta.to_yaml(original_order=KEY_ORDER)}\n---\n\n" + "\n".join(body))
 
 
 def write_model_card(out: Path, cfg: Config, final: dict[str, Any], label_names: list[str],
@@ -190,12 +185,5 @@ def write_model_card(out: Path, cfg: Config, final: dict[str, Any], label_names:
     if matrix:
         plot_confusion_matrix(matrix, label_names, out / CONFUSION_PNG)
     name = Path(cfg.run.output_dir).resolve().name
-    (out / "README.md").write_text(card_text(cfg, final, label_names, files, sha256, memory, name, bool(matrix)))
-
-
-def read_front_matter(readme: Path) -> dict[str, Any]:
-    """The YAML metadata of a model card (what the Hub reads)."""
-    text = readme.read_text()
-    _, front, _ = text.split("---\n", 2)
-    return yaml.safe_load(front) or {}
+    model_card(cfg, final, label_names, files, sha256, memory, name, bool(matrix)).save(out / "README.md")
 

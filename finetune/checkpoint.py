@@ -33,9 +33,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from finetune import faults
-from finetune.config import Config
+from finetune.config import Config, keys_that_may_change_on_resume
 from finetune.config_io import parse_yaml12, validate_config
 from finetune.errors import UserError
+from finetune.tasks import lower_is_better
 
 logger = logging.getLogger("finetune")
 
@@ -43,35 +44,6 @@ PROGRESS = "progress.json"
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"  # a checkpoint being written (never named step_*)
 TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (renamed first, so deletion is atomic too)
-
-# Config keys whose change does not change the trained weights: resuming across them is allowed.
-# Everything else (model, data, batch sizes, seed, optimizer, schedule, precision, any new key)
-# must match the checkpoint's config.
-HARMLESS_KEYS = {
-    "run.output_dir",
-    "run.overwrite",
-    "train.eval_every_steps",
-    "train.log_every_steps",
-    "checkpoint.every_steps",
-    "checkpoint.resume",
-    "checkpoint.keep_last",
-    "checkpoint.export",
-    "memory.record_history",
-    "log.trackers",
-    "model.head_init",  # a resumed run's head comes from the checkpoint
-    "data.data_dir",  # where the files are; their content is compared by sha256 instead
-    "data.num_workers",  # workers only read and collate; loaders have their own generators
-    "run.num_threads",  # intra-op threads: the same arithmetic on CPU fp32 (reductions are per-output)
-    "precision.empty_cache",
-    # what `finetune sweep` searches: a trial's own values are in the other keys
-    "sweep.space",
-    "sweep.random_trials",
-    "sweep.startup_trials",
-    "sweep.warmup_evaluations",
-    "sweep.baseline",
-}
-# Metrics where lower is better; any other metric (accuracy, macro_f1, ...) is maximised.
-LOWER_IS_BETTER = {"loss", "mse"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,7 +358,8 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     """Result-changing keys (dotted) whose values differ between two resolved configs."""
     a, b = _flatten(saved), _flatten(current)
     keys = sorted(set(a) | set(b))
-    harmless = HARMLESS_KEYS
+    # the keys the schema declares may change (config.MAY_CHANGE_ON_RESUME); every other key must match
+    harmless = keys_that_may_change_on_resume()
     if a.get("train.early_stopping_patience") is not None or b.get("train.early_stopping_patience") is not None:
         harmless = harmless - {"train.eval_every_steps"}  # evaluations decide the step where training stops
     return [k for k in keys if k not in harmless and a.get(k) != b.get(k)]
@@ -525,10 +498,10 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> TrainingProgress:
 
 
 def is_better(metric: str, new: float, old: float | None) -> bool:
-    """Whether `new` improves on `old` for `metric` (loss: lower; everything else: higher)."""
+    """Whether `new` improves on `old` for `metric` (lower for loss and mse, `tasks.METRICS`; else higher)."""
     if old is None or (isinstance(old, float) and math.isnan(old)):
         return not math.isnan(new)
-    return new < old if metric in LOWER_IS_BETTER else new > old
+    return new < old if lower_is_better(metric) else new > old
 
 
 def update_best(best: dict[str, Any], metric: str, metrics: dict[str, Any], step: int) -> bool:

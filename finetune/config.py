@@ -25,16 +25,23 @@ from pydantic import (
     model_validator,
 )
 
+from finetune.tasks import METRICS, MULTI, PROBLEM_TYPES, REGRESSION, SINGLE
+
 # ----------------------------------------------------------------------------------------------
 # The schema.
 
+# the names the schema accepts come from the registry (finetune.tasks): Literal[...] of these tuples
+_PROBLEM_TYPES = tuple(PROBLEM_TYPES)
+_METRICS = tuple(METRICS)
 
-# evaluation metrics per problem type, the default `checkpoint.best_metric` first
-METRICS_BY_PROBLEM_TYPE = {
-    "single_label_classification": ("accuracy", "macro_f1", "loss"),
-    "multi_label_classification": ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
-    "regression": ("pearson", "spearman", "mse", "loss"),
-}
+
+# Resume compares the checkpoint's config with the current one key by key (`checkpoint.config_differences`)
+# and refuses any difference, in a newly added key too: a changed value may change the trained weights.
+# A key that cannot (where files are, intervals, workers, what a sweep searches) is declared
+# `json_schema_extra=MAY_CHANGE_ON_RESUME` beside its default, and `keys_that_may_change_on_resume()`
+# collects them. Only `section.key` fields are declared: resume compares a nested value (model.lora,
+# sweep.space) as one.
+MAY_CHANGE_ON_RESUME: dict[str, Any] = {"resume": "may_change"}
 
 
 class _Section(BaseModel):
@@ -44,16 +51,22 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     """`run`: where the run writes, its seed, and whether a non-empty output directory may be replaced."""
 
-    output_dir: str = Field(description="the run directory: checkpoints, metrics.jsonl, eval.json, final/")
+    output_dir: str = Field(
+        description="the run directory: checkpoints, metrics.jsonl, eval.json, final/",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
     seed: int = Field(42, description="seed of weights init, data order, dropout and the validation split")
     overwrite: bool = Field(
         False,
         description="replace a non-empty run directory of an earlier run (only a finetune run's: it holds config.yaml)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     num_threads: PositiveInt | Literal["auto"] = Field(
         "auto",
         description="CPU threads per process for torch's intra-op work; auto = the cores this process may use "
         "divided among the processes on this machine (`accelerate launch` alone would leave 1)",
+        # intra-op threads: the same arithmetic on CPU fp32 (reductions are per output)
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
 
 
@@ -73,8 +86,8 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     """`model`: pretrained model or from-scratch architecture, tokenizer, memory switches, compile."""
 
-    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] = Field(
-        "single_label_classification",
+    problem_type: Literal[_PROBLEM_TYPES] = Field(
+        SINGLE,
         description="transformers' problem_type, written into final/config.json: one label per text (softmax), "
         "any number of labels per text (sigmoid, per-label thresholds), or a real-valued score (one output)",
     )
@@ -126,6 +139,7 @@ class ModelConfig(_Section):
         "data (multi-label) or to the target mean, with weights scaled by the target spread (regression), so the "
         "first steps learn the text rather than the base rate; single-label heads keep the model's random init; "
         "random: the model's own init everywhere",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,  # a resumed run's head comes from the checkpoint
     )
     compile: bool = Field(
         False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
@@ -164,7 +178,11 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     """`data`: files or hub dataset, how to parse them, columns, labels, lengths and slices."""
 
-    data_dir: str | None = Field(None, description="directory the relative data paths are resolved against")
+    data_dir: str | None = Field(
+        None,
+        description="directory the relative data paths are resolved against",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,  # where the files are: resume compares their sha256 instead
+    )
     train_file: str | None = Field(
         None,
         description="training data: a csv/tsv/json/jsonl/parquet/text file, a saved dataset, or a folder with "
@@ -263,7 +281,13 @@ class DataConfig(_Section):
     packing: bool = Field(
         False, description="several training sequences per row with block-diagonal attention (BERT-family encoders)"
     )
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes for training and evaluation")
+    num_workers: int = Field(
+        0,
+        ge=0,
+        description="DataLoader worker processes for training and evaluation",
+        # workers only read and collate; the loaders have their own generators
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
 
     @field_validator("labels", "label_map", mode="before")
     @classmethod
@@ -341,9 +365,15 @@ class TrainConfig(_Section):
     adam_epsilon: PositiveFloat = Field(1e-8, description="Adam denominator epsilon")
     max_grad_norm: PositiveFloat | None = Field(1.0, description="clip the global gradient norm (null: no clipping)")
     eval_every_steps: PositiveInt | None = Field(
-        None, description="evaluate on validation every N optimizer steps (and always at the end)"
+        None,
+        description="evaluate on validation every N optimizer steps (and always at the end)",
+        # except with train.early_stopping_patience, where the evaluations decide the step training stops at
+        # (checkpoint.config_differences)
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
-    log_every_steps: PositiveInt = Field(10, description="a metrics.jsonl training row every N optimizer steps")
+    log_every_steps: PositiveInt = Field(
+        10, description="a metrics.jsonl training row every N optimizer steps", json_schema_extra=MAY_CHANGE_ON_RESUME
+    )
     nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="NaN/inf loss or gradient: stop with a one-line error, or skip the step"
     )
@@ -406,7 +436,11 @@ class PrecisionConfig(_Section):
     allow_dtype_mismatch: bool = Field(
         False, description="run even when the dtype audit finds tensors contradicting the policy"
     )
-    empty_cache: bool = Field(True, description="release cached CUDA blocks at epoch ends and before evaluation")
+    empty_cache: bool = Field(
+        True,
+        description="release cached CUDA blocks at epoch ends and before evaluation",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
     deterministic: bool = Field(False, description="deterministic kernels (bitwise exact resume on CUDA; slower)")
 
 
@@ -414,22 +448,29 @@ class CheckpointConfig(_Section):
     """`checkpoint`: interval, resume, rotation, best metric and what `final/` holds."""
 
     every_steps: PositiveInt | None = Field(
-        None, description="write a checkpoint every N optimizer steps (a preemption writes one regardless)"
+        None,
+        description="write a checkpoint every N optimizer steps (a preemption writes one regardless)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     resume: str | None = Field(
         None,
         description="auto: continue from the newest complete checkpoint of run.output_dir; a path: that checkpoint",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
-    keep_last: PositiveInt = Field(2, description="keep the newest N checkpoints (and the best)")
-    best_metric: (
-        Literal["accuracy", "macro_f1", "micro_f1", "subset_accuracy", "pearson", "spearman", "mse", "loss"] | None
-    ) = Field(
+    keep_last: PositiveInt = Field(
+        2, description="keep the newest N checkpoints (and the best)", json_schema_extra=MAY_CHANGE_ON_RESUME
+    )
+    best_metric: Literal[_METRICS] | None = Field(
         None,
-        description="the evaluation metric that picks the best checkpoint and drives early stopping (loss and mse: "
-        "lower is better); default per model.problem_type: accuracy, micro_f1, pearson",
+        description="the evaluation metric that picks the best checkpoint and drives early stopping ("
+        + " and ".join(sorted(m.name for m in METRICS.values() if m.lower_is_better))
+        + ": lower is better); default per model.problem_type: "
+        + ", ".join(p.headline[0] for p in PROBLEM_TYPES.values()),
     )
     export: Literal["last", "best"] = Field(
-        "last", description="what final/ holds: the last weights or the best checkpoint's"
+        "last",
+        description="what final/ holds: the last weights or the best checkpoint's",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
 
     @model_validator(mode="after")
@@ -446,7 +487,9 @@ class MemoryConfig(_Section):
         None, description="memory budget (GiB) the planner fits the micro-batch into (train.micro_batch_size: auto)"
     )
     record_history: bool = Field(
-        False, description="record the CUDA allocator history into each checkpoint (memory_snapshot.pickle)"
+        False,
+        description="record the CUDA allocator history into each checkpoint (memory_snapshot.pickle)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
 
 
@@ -462,6 +505,7 @@ class LogConfig(_Section):
         description="Accelerate trackers that also receive metrics.jsonl's rows and the resolved config (its "
         "package must be installed: pip install mlflow, wandb, ...; each reads its own settings from the "
         "environment, e.g. MLFLOW_TRACKING_URI, WANDB_MODE); the tracker's run is named after run.output_dir",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     plots: bool = Field(
         True,
@@ -502,23 +546,33 @@ DEFAULT_SWEEP_SPACE = {
 class SweepConfig(_Section):
     """`sweep`: what `finetune sweep` searches (Optuna TPE, median pruning); `finetune train` ignores it."""
 
+    # every sweep.* key may change on resume: a trial's own values are in the other sections
     space: dict[str, SweepRange] = Field(
         default_factory=lambda: {k: SweepRange(**v) for k, v in DEFAULT_SWEEP_SPACE.items()},
         description="dotted config key -> {low, high, log} or {choices}; default: train.learning_rate log-uniform "
         "1e-5..1e-3, train.warmup_ratio 0..0.2, train.weight_decay 0..0.1",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     random_trials: NonNegativeInt = Field(
-        10, description="trials sampled at random before TPE models the results (Optuna's n_startup_trials)"
+        10,
+        description="trials sampled at random before TPE models the results (Optuna's n_startup_trials)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     startup_trials: NonNegativeInt = Field(
-        3, description="trials that run to the end before median pruning may stop a trial early"
+        3,
+        description="trials that run to the end before median pruning may stop a trial early",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     warmup_evaluations: NonNegativeInt = Field(
-        0, description="evaluations of a trial before it may be pruned (pruning compares train.eval_every_steps "
-        "evaluations)"
+        0,
+        description="evaluations of a trial before it may be pruned (pruning compares train.eval_every_steps "
+        "evaluations)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     baseline: bool = Field(
-        True, description="the first trial of a new study runs the config's own values (when they are in the space)"
+        True,
+        description="the first trial of a new study runs the config's own values (when they are in the space)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
 
 
@@ -587,7 +641,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _problem_type(self) -> Config:
         kind, d = self.model.problem_type, self.data
-        allowed = METRICS_BY_PROBLEM_TYPE[kind]
+        allowed = PROBLEM_TYPES[kind].best_metrics
         if self.checkpoint.best_metric is None:
             self.checkpoint.best_metric = allowed[0]
         elif self.checkpoint.best_metric not in allowed:
@@ -595,19 +649,19 @@ class Config(_Section):
                 f"checkpoint.best_metric={self.checkpoint.best_metric} is not a metric of model.problem_type={kind}; "
                 f"choose one of {list(allowed)}"
             )
-        if kind != "multi_label_classification" and (d.label_columns is not None or d.label_delimiter is not None):
+        if kind != MULTI and (d.label_columns is not None or d.label_delimiter is not None):
             raise ValueError(
                 "data.label_columns / data.label_delimiter describe multi-label data: set "
                 "model.problem_type=multi_label_classification"
             )
-        if kind == "regression" and (d.labels is not None or d.label_map is not None or d.label_files is not None):
+        if kind == REGRESSION and (d.labels is not None or d.label_map is not None or d.label_files is not None):
             raise ValueError(
                 "model.problem_type=regression has one real-valued label: remove data.labels / "
                 "data.label_map / data.label_files"
             )
-        if kind != "single_label_classification" and self.train.class_weights is not None:
+        if kind != SINGLE and self.train.class_weights is not None:
             raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
-        if kind == "regression" and self.train.loss == "focal":
+        if kind == REGRESSION and self.train.loss == "focal":
             raise ValueError("train.loss=focal is a classification loss; model.problem_type=regression uses MSE")
         if d.truncation is not None and d.chunk_stride is not None:
             raise ValueError("data.truncation and data.chunk_stride exclude each other: chunks keep every token")
@@ -618,7 +672,7 @@ class Config(_Section):
             )
         if d.text_pair_column is not None and (d.chunk_stride is not None or d.truncation not in (None, "head")):
             raise ValueError("data.chunk_stride and data.truncation=tail/head_tail take single texts, not pairs")
-        if kind == "multi_label_classification" and d.label_files is not None:
+        if kind == MULTI and d.label_files is not None:
             raise ValueError(
                 "data.label_files gives one label per text: use model.problem_type=single_label_classification"
             )
@@ -658,3 +712,14 @@ class Config(_Section):
         if not p.is_absolute() and self.data.data_dir is not None:
             p = Path(self.data.data_dir).expanduser() / p
         return p
+
+
+def keys_that_may_change_on_resume() -> frozenset[str]:
+    """The dotted `section.key` names declared `MAY_CHANGE_ON_RESUME` in the schema: the keys whose change
+    does not change the trained weights, so resume accepts a checkpoint whose config differs in them."""
+    return frozenset(
+        f"{section}.{name}"
+        for section, field in Config.model_fields.items()
+        for name, f in _section_class(field.annotation).model_fields.items()
+        if (f.json_schema_extra or {}).get("resume") == "may_change"
+    )

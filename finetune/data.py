@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 
 from finetune.config import Config
 from finetune.errors import UserError
-from finetune.reading import MULTI, REGRESSION, SINGLE, RawSplits, load_raw_splits
+from finetune.reading import RawSplits, load_raw_splits
+from finetune.tasks import MULTI, REGRESSION, SINGLE
 from finetune.window import WindowedBatchSampler, WindowedDataset
 
 logger = logging.getLogger("finetune")

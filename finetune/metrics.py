@@ -29,6 +29,7 @@ from sklearn.metrics import (
 from finetune import faults
 from finetune.errors import UserError
 from finetune.precision import fp32_per_sample_loss
+from finetune.tasks import HEADLINE, MULTI, PROBLEM_TYPES, REGRESSION, SINGLE
 
 logger = logging.getLogger("finetune")
 
@@ -50,8 +51,6 @@ def classification_metrics(y_true: Sequence[int], y_pred: Sequence[int], label_n
 
 
 THRESHOLD_GRID = np.round(np.arange(0.05, 0.951, 0.05), 2)
-# the headline numbers of a metrics dict, in the order logs print them
-HEADLINE = ("accuracy", "micro_f1", "macro_f1", "subset_accuracy", "pearson", "spearman", "mse")
 
 
 def tune_thresholds(y_true: np.ndarray, probs: np.ndarray) -> list[float]:
@@ -114,20 +113,12 @@ def compute_metrics(
 ) -> dict[str, Any]:
     """The metrics of `problem_type` from gathered labels and logits (multi-label: thresholds tuned
     on these rows when none are given)."""
-    if problem_type == "regression":
+    if problem_type == REGRESSION:
         return regression_metrics(y_true.astype(np.float64), logits[:, 0].astype(np.float64))
-    if problem_type == "multi_label_classification":
+    if problem_type == MULTI:
         probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
         return multilabel_metrics(y_true, probs, label_names, thresholds or tune_thresholds(y_true, probs))
     return classification_metrics(y_true.tolist(), logits.argmax(-1).tolist(), label_names)
-
-
-# the headline metrics each problem type gets a confidence interval for
-CI_METRICS = {
-    "single_label_classification": ("accuracy", "macro_f1"),
-    "multi_label_classification": ("micro_f1", "macro_f1", "subset_accuracy"),
-    "regression": ("pearson", "spearman", "mse"),
-}
 
 
 def _f1(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> np.ndarray:
@@ -139,13 +130,14 @@ def _f1(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> np.ndarray:
 def headline_metrics(
     problem_type: str, y_true: np.ndarray, logits: np.ndarray, num_labels: int, thresholds: list[float] | None
 ) -> dict[str, float]:
-    """The `CI_METRICS` of `compute_metrics` (the same definitions; the tests compare them) from
-    counts in numpy: ~0.1 ms against sklearn's ~3 ms, and a bootstrap repeats it a thousand times."""
-    if problem_type == "regression":
+    """The problem type's headline metrics (`tasks.PROBLEM_TYPES`) as `compute_metrics` defines them (the
+    tests compare them), from counts in numpy: ~0.1 ms against sklearn's ~3 ms, and a bootstrap repeats
+    it a thousand times."""
+    if problem_type == REGRESSION:
         pred, gold = logits[:, 0].astype(np.float64), y_true.astype(np.float64)
         return {"pearson": _correlation(pearsonr, pred, gold), "spearman": _correlation(spearmanr, pred, gold),
                 "mse": float(np.mean((pred - gold) ** 2))}  # fmt: skip
-    if problem_type == "multi_label_classification":
+    if problem_type == MULTI:
         pred = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) >= np.asarray(thresholds or [0.5] * num_labels)
         gold = y_true.astype(bool)
         tp, fp, fn = (pred & gold).sum(0), (pred & ~gold).sum(0), (~pred & gold).sum(0)
@@ -179,7 +171,7 @@ def bootstrap_ci(
     if resamples == 0 or n == 0:
         return {}
     rng = np.random.default_rng(seed)
-    values: dict[str, list[float]] = {k: [] for k in CI_METRICS[problem_type]}
+    values: dict[str, list[float]] = {k: [] for k in PROBLEM_TYPES[problem_type].headline}
     for _ in range(resamples):
         rows = rng.integers(0, n, n)
         for key, value in headline_metrics(problem_type, y_true[rows], logits[rows], num_labels, thresholds).items():
@@ -325,7 +317,7 @@ def evaluate(
     accelerator: Accelerator,
     label_names: list[str],
     fault_step: int = 0,
-    problem_type: str = "single_label_classification",
+    problem_type: str = SINGLE,
     thresholds: list[float] | None = None,
     aggregate: str = "mean",
 ) -> dict[str, Any]:
@@ -376,9 +368,9 @@ def prediction_rows(
         row: dict[str, Any] = {"split": split, "id": doc, "text": texts[doc]}
         if pairs is not None:
             row["text_pair"] = pairs[doc]
-        if problem_type == "regression":
+        if problem_type == REGRESSION:
             row |= {"gold": float(labels[i]), "prediction": float(logits[i, 0]), "probabilities": None}
-        elif problem_type == "multi_label_classification":
+        elif problem_type == MULTI:
             probs = torch.sigmoid(logits[i]).tolist()
             cut = thresholds or [0.5] * len(label_names)
             row |= {"gold": [n for n, y in zip(label_names, labels[i].tolist(), strict=True) if y >= 0.5],

@@ -24,6 +24,7 @@ import huggingface_hub
 
 from finetune.config import Config
 from finetune.errors import UserError
+from finetune.tasks import MULTI, REGRESSION, SINGLE
 
 logger = logging.getLogger("finetune")
 datasets.logging.set_verbosity_error()
@@ -32,8 +33,6 @@ datasets.disable_progress_bars()  # loading is quick; the training bar is the on
 
 _EXT_FORMAT = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
 
-
-SINGLE, MULTI, REGRESSION = "single_label_classification", "multi_label_classification", "regression"
 
 
 @dataclass

@@ -24,7 +24,7 @@ from finetune.config import TrainConfig
 from finetune.config_io import load_config, validate_config
 from finetune.errors import UserError
 from finetune.model import build_tokenizer, row_limit
-from finetune.reading import MULTI, REGRESSION, SINGLE
+from finetune.tasks import MULTI, REGRESSION, SINGLE
 
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "score", "quality", "sentiment", "intent")
 SPLIT_WORDS = {"validation": ("dev", "valid", "validation", "val"), "test": ("test",)}

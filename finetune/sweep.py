@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune.checkpoint import LOWER_IS_BETTER
+from finetune import tasks
 from finetune.config import Config, SweepRange
 from finetune.config_io import apply_overrides, dump_config, validate_config
 from finetune.errors import UserError
@@ -177,7 +177,7 @@ def run_sweep(base: Config, trials: int, storage: str | None = None, study_name:
     root.mkdir(parents=True, exist_ok=True)
     storage = storage or f"sqlite:///{(root / 'study.db').resolve()}"
     metric = base.checkpoint.best_metric
-    direction = "minimize" if metric in LOWER_IS_BETTER else "maximize"
+    direction = tasks.direction(metric)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress line per trial; errors reach the user as ours
     study = optuna.create_study(
         study_name=study_name or root.resolve().name, storage=storage, load_if_exists=True, direction=direction,

@@ -19,9 +19,10 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
 from finetune.errors import UserError
-from finetune.metrics import CI_METRICS, bootstrap_ci, compute_metrics, headline_metrics
+from finetune.metrics import bootstrap_ci, compute_metrics, headline_metrics
 from finetune.model import reinit_top_layers
 from finetune.optim import build_optimizer, parameter_groups
+from finetune.tasks import PROBLEM_TYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,12 +167,12 @@ def _reference(kind: str, y: np.ndarray, logits: np.ndarray, thresholds: list[fl
     return {"accuracy": accuracy_score(y, pred), "macro_f1": f1_score(y, pred, average="macro", labels=[0, 1, 2])}
 
 
-@pytest.mark.parametrize("kind", list(CI_METRICS))
+@pytest.mark.parametrize("kind", list(PROBLEM_TYPES))
 def test_bootstrap_interval_equals_a_plain_numpy_bootstrap(kind: str) -> None:
     y, logits, k = _problem(kind, np.random.default_rng(3))
     thresholds = [0.4, 0.5, 0.6, 0.5] if kind == "multi_label_classification" else None
     got = bootstrap_ci(kind, y, logits, k, thresholds, resamples=200, seed=11)
-    rng, draws = np.random.default_rng(11), {m: [] for m in CI_METRICS[kind]}
+    rng, draws = np.random.default_rng(11), {m: [] for m in PROBLEM_TYPES[kind].headline}
     for _ in range(200):
         idx = rng.integers(0, len(y), len(y))
         for m, v in _reference(kind, y[idx], logits[idx], thresholds).items():
@@ -184,7 +185,7 @@ def test_bootstrap_interval_equals_a_plain_numpy_bootstrap(kind: str) -> None:
     assert bootstrap_ci(kind, y, logits, k, thresholds, resamples=0) == {}
 
 
-@pytest.mark.parametrize("kind", list(CI_METRICS))
+@pytest.mark.parametrize("kind", list(PROBLEM_TYPES))
 def test_headline_metrics_match_compute_metrics_with_absent_classes(kind: str) -> None:
     y, logits, k = _problem(kind, np.random.default_rng(5), n=40)
     if kind == "single_label_classification":
@@ -193,7 +194,7 @@ def test_headline_metrics_match_compute_metrics_with_absent_classes(kind: str) -
     thresholds = [0.5] * k if kind == "multi_label_classification" else None
     full = compute_metrics(kind, y, logits, [str(i) for i in range(k)], thresholds)
     fast = headline_metrics(kind, y, logits, k, thresholds)
-    assert fast == pytest.approx({m: full[m] for m in CI_METRICS[kind]}, abs=1e-12)
+    assert fast == pytest.approx({m: full[m] for m in PROBLEM_TYPES[kind].headline}, abs=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------

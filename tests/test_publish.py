@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from huggingface_hub import ModelCard, metadata_load
 
-from finetune.card import CONFUSION_PNG, read_front_matter
+from finetune.card import CONFUSION_PNG
 from finetune.cli import main as cli_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -38,7 +39,12 @@ def _texts(path: Path, column: int, skip_header: bool) -> list[str]:
 
 def test_model_card_matches_eval_json_data_and_memory(tiny_run: Path, data_dir: Path) -> None:
     final = tiny_run / "final"
-    meta = read_front_matter(final / "README.md")  # yaml.safe_load of the front matter
+    meta = metadata_load(final / "README.md")  # the front matter as the Hub reads it (yaml.safe_load)
+    # huggingface_hub's offline checks: the model-index parses into EvalResults and writes back the same
+    card = ModelCard.load(final / "README.md")
+    assert card.data.to_dict() == meta and str(card) == (final / "README.md").read_text()
+    assert {(r.dataset_split, r.metric_type) for r in card.data.eval_results} == {("validation", "accuracy"),
+                                                                                 ("validation", "f1")}
     ev = json.loads((tiny_run / "eval.json").read_text())
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-classification"
     assert meta["datasets"] == ["sst2"] and "base_model" not in meta  # tiny-debug is built from scratch

@@ -352,6 +352,28 @@ def test_regression_pairs_pipeline_and_predict(tmp_path: Path) -> None:
     assert report["pearson_ci"][0] <= report["pearson"] <= report["pearson_ci"][1]
 
 
+def test_metric_registry_names_what_evaluation_computes() -> None:
+    from finetune.tasks import HEADLINE, METRICS, PROBLEM_TYPES, direction
+
+    # the names, orders and directions config, metrics, checkpoint and card each spelled out before the registry
+    assert HEADLINE == ("accuracy", "micro_f1", "macro_f1", "subset_accuracy", "pearson", "spearman", "mse")
+    assert {k: p.best_metrics for k, p in PROBLEM_TYPES.items()} == {
+        "single_label_classification": ("accuracy", "macro_f1", "loss"),
+        "multi_label_classification": ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
+        "regression": ("pearson", "spearman", "mse", "loss"),
+    }
+    assert [m for m in METRICS if direction(m) == "minimize"] == ["mse", "loss"] and direction("other") == "maximize"
+    # each problem type's headline metrics are exactly the headline metrics compute_metrics returns for it
+    rng = np.random.default_rng(0)
+    cases = {"single_label_classification": (rng.integers(0, 3, 20), rng.normal(size=(20, 3))),
+             "multi_label_classification": ((rng.random((20, 3)) < 0.4).astype(np.float32), rng.normal(size=(20, 3))),
+             "regression": (rng.normal(size=20), rng.normal(size=(20, 1)))}  # fmt: skip
+    for kind, (y, logits) in cases.items():
+        out = compute_metrics(kind, y, logits, ["a", "b", "c"])
+        assert tuple(k for k in HEADLINE if k in out) == PROBLEM_TYPES[kind].headline, kind
+        assert all(METRICS[k].hub_type is not None for k in PROBLEM_TYPES[kind].headline)  # all on the card
+
+
 def test_best_metric_defaults_and_directions(tmp_path: Path) -> None:
     from finetune.checkpoint import is_better
     from finetune.errors import UserError
