@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import math
@@ -36,6 +35,7 @@ from finetune import faults
 from finetune.config import Config, keys_that_may_change_on_resume
 from finetune.config_io import parse_yaml12, validate_config
 from finetune.errors import UserError
+from finetune.sources import file_sha256
 from finetune.tasks import lower_is_better
 
 logger = logging.getLogger("finetune")
@@ -101,14 +101,6 @@ class TrainingProgress:
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """`checkpoints/step_<N>` with N zero-padded so names sort by step."""
     return run_dir / "checkpoints" / f"step_{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_tree(path: Path) -> None:
@@ -201,7 +193,7 @@ def _write_files(tmp: Path, step: int, files: dict[str, str], write_extra: Calla
     if write_extra is not None:
         write_extra(tmp)
     listed = {
-        str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(tmp.rglob("*"))
         if p.is_file()
     }
@@ -294,7 +286,7 @@ def verify_checkpoint(path: Path, deep: bool = True) -> str | None:
             return f"{name} has {p.stat().st_size} bytes, the manifest says {meta['size']} (truncated?)"
     if deep:
         for name, meta in files.items():
-            if _sha256(path / name) != meta["sha256"]:
+            if file_sha256(path / name) != meta["sha256"]:
                 return f"{name} does not match its sha256 in the manifest (corrupt)"
     return None
 

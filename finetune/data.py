@@ -7,7 +7,6 @@ also carry the number of samples in their accumulation window (`finetune.window.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 from collections import Counter
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.reading import RawSplits, load_raw_splits
+from finetune.sources import file_sha256
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 from finetune.window import WindowedBatchSampler, WindowedDataset
 
@@ -238,18 +238,6 @@ def format_data_report(report: dict[str, Any]) -> str:
             f"{100 * e['truncated_fraction']:.1f}% truncated; {e['mean_tokens']:.1f} tokens/row"
         )
     return "\n".join(lines)
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a data file, or of a saved dataset directory's files and names (for provenance.json)."""
-    h = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
-        if path.is_dir():
-            h.update(str(file.relative_to(path)).encode() + b"\0")
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass

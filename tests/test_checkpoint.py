@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from finetune import checkpoint as ckpt
 from finetune import faults, runtime
 from finetune.errors import UserError
+from finetune.sources import file_sha256
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def _fake_checkpoint(run: Path, step: int, metric: float | None, eval_step: int 
     size = (path / ckpt.PROGRESS).stat().st_size
     (path / ckpt.MANIFEST).write_text(
         json.dumps(
-            {"step": step, "files": {ckpt.PROGRESS: {"size": size, "sha256": ckpt._sha256(path / ckpt.PROGRESS)}}}
+            {"step": step, "files": {ckpt.PROGRESS: {"size": size, "sha256": file_sha256(path / ckpt.PROGRESS)}}}
         )
     )
     return path
