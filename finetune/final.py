@@ -9,7 +9,6 @@ it, never a traceback or another tokenizer.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from safetensors import SafetensorError
 from finetune.checkpoint import TMP_PREFIX, remove_tree
 from finetune.config import Config
 from finetune.errors import UserError
-from finetune.model import exportable, is_quantized, merge_adapter, unquantized_base
+from finetune.model import exportable, is_quantized, merge_adapter, quiet_peft_deprecation, unquantized_base
 
 # a tokenizer's vocabulary: tokenizer.json (fast, what export_final writes) or a slow tokenizer's own file
 VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model",
@@ -190,8 +189,7 @@ def save_adapter(peft_model: Any, state_dict: dict[str, Any], out: Path) -> None
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with quiet_peft_deprecation():
             peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True,
                                        save_embedding_layers=False)
     finally:

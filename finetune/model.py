@@ -3,12 +3,14 @@ file, hub id), or an architecture config for a model built from scratch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import re
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -489,12 +491,20 @@ def unquantized_base(model: torch.nn.Module, tokenizer: Any) -> PreTrainedModel:
     return base
 
 
+@contextlib.contextmanager
+def quiet_peft_deprecation() -> Iterator[None]:
+    """Around a peft call: peft reads transformers' deprecated `is_gradient_checkpointing`, one
+    FutureWarning per call that is not the user's to fix. Other warnings still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def merge_adapter(base: PreTrainedModel, adapter_dir: str) -> PreTrainedModel:
     """peft's adapter directory (adapters and head) loaded onto `base` and merged (`exportable`)."""
     from peft import PeftModel
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft_deprecation():
         return exportable(PeftModel.from_pretrained(base, adapter_dir))
 
 
@@ -672,10 +682,7 @@ def add_lora(model: PreTrainedModel, lora: Any) -> Any:
         exclude_modules=in_head or None,
         modules_to_save=heads,
     )
-    with warnings.catch_warnings():
-        # peft reads transformers' deprecated `is_gradient_checkpointing`: one FutureWarning per run,
-        # not the user's to fix
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft_deprecation():
         return get_peft_model(model, config)
 
 

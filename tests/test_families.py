@@ -12,7 +12,6 @@ bf16 / bf16-true on one encoder (DeBERTa-v2, v3-style relative attention) and on
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from finetune import checkpoint as ckpt
 from finetune import faults, runtime
 from finetune.config_io import load_config
 from finetune.errors import UserError
-from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names
+from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names, quiet_peft_deprecation
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -202,8 +201,7 @@ def _adapter_logits(run: Path, cfg_path: Path, family: str) -> torch.Tensor:
     state = {k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
              for k, v in state.items() if "lora_" not in k and ".modules_to_save." not in k}
     base.load_state_dict(state, strict=True)
-    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft_deprecation():
         model = PeftModel.from_pretrained(base, run / "final" / "adapter").eval()
     with torch.no_grad():
         return torch.cat([model(**tok(t, return_tensors="pt")).logits for t in TEXTS])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from test_families import FAMILIES, NAMES, TEXTS, _sentences, family_config, sto
 
 from finetune.config_io import load_config
 from finetune.errors import UserError
-from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names
+from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names, quiet_peft_deprecation
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -110,8 +109,7 @@ def test_qlora_run_exports_the_merge_into_the_unquantized_base(tokenizers: dict[
     base.config.pad_token_id = tok.pad_token_id
     with torch.no_grad():
         plain = torch.cat([base(**tok(t, return_tensors="pt")).logits for t in TEXTS])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft_deprecation():
         peft_model = PeftModel.from_pretrained(base, final / "adapter").eval()
     with torch.no_grad():
         want = torch.cat([peft_model(**tok(t, return_tensors="pt")).logits for t in TEXTS])
