@@ -35,7 +35,7 @@ from finetune import faults
 from finetune.config import Config, keys_that_may_change_on_resume
 from finetune.config_io import parse_yaml12, validate_config
 from finetune.errors import UserError
-from finetune.sources import file_sha256
+from finetune.fileio import file_sha256, read_jsonl
 from finetune.tasks import lower_is_better
 
 logger = logging.getLogger("finetune")
@@ -594,16 +594,10 @@ def trim_metrics(metrics_file: Path, step: int) -> None:
     """Drop metrics rows after `step` (a resumed run logs those steps again)."""
     if not metrics_file.is_file():
         return
-    rows = [line for line in metrics_file.read_text().splitlines() if line.strip()]
-    kept = []
-    for line in rows:
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by a kill
+    kept = [row for row in read_jsonl(metrics_file) if row.get("step", 0) <= step]  # a torn line goes too
     tmp = metrics_file.with_suffix(".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept))
+    # json.dumps as metrics.record_row writes them, so a kept row's line is unchanged byte for byte
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
     tmp.replace(metrics_file)
 
 

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader
 
 from finetune.config import Config
 from finetune.errors import UserError
+from finetune.fileio import file_sha256
 from finetune.reading import RawSplits, load_raw_splits
-from finetune.sources import file_sha256
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 from finetune.window import WindowedBatchSampler, WindowedDataset
 

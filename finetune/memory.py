@@ -25,6 +25,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
 from finetune.errors import UserError
+from finetune.fileio import read_jsonl
 
 logger = logging.getLogger("finetune")
 
@@ -480,11 +481,7 @@ def plot_memory(
     memory report, where the peak went: parameters, gradients, optimizer state, activations and
     temporaries as a stacked bar, beside the planner's prediction when the run planned its micro-batch."""
     rows: dict[int, float] = {}
-    for line in metrics_file.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for row in read_jsonl(metrics_file):
         if "peak_memory_bytes" in row and (upto_step is None or row["step"] <= upto_step):
             rows[row["step"]] = row["peak_memory_bytes"] / MIB
     if not rows:
@@ -548,11 +545,7 @@ def run_peak_bytes(metrics_file: Path) -> int | None:
     """The highest `peak_memory_bytes` of metrics.jsonl's training rows: the run's peak (CUDA allocated, else RSS)."""
     peaks = []
     if metrics_file.is_file():
-        for line in metrics_file.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill
+        for row in read_jsonl(metrics_file):
             if row.get("peak_memory_bytes") is not None:
                 peaks.append(int(row["peak_memory_bytes"]))
     return max(peaks) if peaks else None

@@ -28,6 +28,7 @@ from sklearn.metrics import (
 
 from finetune import faults
 from finetune.errors import UserError
+from finetune.fileio import read_jsonl
 from finetune.precision import fp32_per_sample_loss
 from finetune.tasks import HEADLINE, MULTI, PROBLEM_TYPES, REGRESSION, SINGLE
 
@@ -200,12 +201,7 @@ def plot_curves(metrics_file: Path, out_file: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = []
-    for line in metrics_file.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line torn by a kill
+    rows = read_jsonl(metrics_file)
     train = [r for r in rows if "loss" in r]
     key = next((f"eval_{k}" for k in HEADLINE if any(f"eval_{k}" in r for r in rows)), "eval_loss")
     evals = [r for r in rows if key in r]

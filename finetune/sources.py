@@ -5,9 +5,6 @@ A GGUF file is converted into an ordinary transformers folder (fp32 safetensors,
 config without a quantization section) and every later use reads that folder: loading from GGUF
 on each run would re-run transformers' dequantization, and the model it returns carries a GGUF
 quantizer that marks it untrainable and blocks `save_pretrained`.
-
-The package's one content hasher lives here too (`file_sha256`), the lowest module both the data
-(provenance, resume's data check) and checkpoint manifests import.
 """
 
 from __future__ import annotations
@@ -50,22 +47,6 @@ def hub_id(name: str) -> str | None:
     if name in ALIAS_HUB_IDS:
         return ALIAS_HUB_IDS[name]
     return None if looks_local(name) else name
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, or of a directory's files and their relative names (a saved dataset).
-
-    The one hasher for content: data files in provenance.json and resume's data check, and every
-    file in a checkpoint's manifest. A file is read in 1 MiB chunks, so a large one never sits in memory.
-    """
-    h = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
-        if path.is_dir():
-            h.update(str(file.relative_to(path)).encode() + b"\0")
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def cache_root() -> Path:

@@ -46,12 +46,13 @@ def overrides(out: Path, rows: int, seed: int) -> list[str]:
 
 
 def child_finetune(rows: int, seed: int, config: Path = CONFIG) -> dict[str, Any]:
+    from finetune.fileio import read_jsonl
     from finetune.train import main
 
     with tempfile.TemporaryDirectory(prefix="bench-dec-ft-") as tmp:
         run = Path(tmp) / "run"
         assert main(["--config", str(config), *overrides(run, rows, seed)]) == 0
-        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        metrics = read_jsonl(run / "metrics.jsonl")
         last = [r for r in metrics if "samples_per_s" in r][-1]
         acc = json.loads((run / "eval.json").read_text())["accuracy"]
     return {"samples_per_s": last["samples_per_s"], "padding_fraction": last.get("padding_fraction"), "accuracy": acc}

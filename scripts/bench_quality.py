@@ -27,6 +27,8 @@ from bench_imbalance import run
 from benchlib import ROOT
 from sklearn.metrics import f1_score
 
+from finetune.fileio import read_jsonl  # importable once benchlib has put the repository on sys.path
+
 # task -> (config, headline key in eval.json (or test.<key>), goal, published anchor)
 TASKS = {
     "goemotions": ("configs/goemotions-minilm.yaml", "test.macro_f1", 0.42, "BERT-base 0.46 (Demszky et al. 2020)"),
@@ -51,8 +53,7 @@ def headline(final: dict, key: str) -> tuple[float, list[float] | None]:
 
 
 def first_eval(run_dir: Path, step: int) -> float | None:
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
+    for row in read_jsonl(run_dir / "metrics.jsonl"):
         if row.get("step") == step and "eval_pearson" in row:
             return row["eval_pearson"]
     return None

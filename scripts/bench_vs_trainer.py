@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 from finetune.config import Config  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
 from finetune.data import build_data, build_train_loader  # noqa: E402
+from finetune.fileio import read_jsonl  # noqa: E402
 from finetune.model import build_model, build_tokenizer, resolve_model_path  # noqa: E402
 from finetune.optim import build_optimizer, build_scheduler, planned_steps  # noqa: E402
 from finetune.reading import load_raw_splits  # noqa: E402
@@ -196,7 +197,7 @@ def run_finetune(
                 final = ft.train(cfg)
             except _TargetReached:
                 final = {"accuracy": next(iter(reached.values()))}
-            rows_ = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+            rows_ = read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
     finally:
         WindowedBatchSampler.set_epoch, ft.collect_outputs, ft.score = set_epoch, collect, score  # type: ignore
         ft.time = time  # type: ignore[assignment]

@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from finetune.config import Config  # noqa: E402
+from finetune.fileio import read_jsonl  # noqa: E402
 from finetune.peak import Measurement, autocast_context, measure_window, train_window  # noqa: E402
 from finetune.planner import build_for_planning  # noqa: E402
 
@@ -43,7 +44,7 @@ class TrainRun:
     def metrics(self) -> list[dict[str, Any]]:
         """The run's metrics.jsonl rows."""
         path = self.run_dir / "metrics.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+        return read_jsonl(path) if path.is_file() else []
 
 
 def train_run(config: str | Path, overrides: list[str], run_dir: Path, *, check: bool = True) -> TrainRun:

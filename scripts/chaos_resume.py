@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from finetune import checkpoint as ckpt  # noqa: E402
+from finetune.fileio import read_jsonl  # noqa: E402
 
 OVERRIDES = [
     "data.max_train_samples={rows}",
@@ -95,10 +96,10 @@ def saving(run: Path) -> bool:
 def last_logged_step(run: Path) -> int:
     """The last optimizer step in metrics.jsonl (a loss is logged at every step)."""
     try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
+        rows = read_jsonl(run / "metrics.jsonl")  # the run is writing it: its last line may be torn
     except OSError:
         return 0
-    steps = [json.loads(x).get("step", 0) for x in lines if x.strip().endswith("}")]
+    steps = [r.get("step", 0) for r in rows]
     return max(steps, default=0)
 
 
@@ -147,7 +148,7 @@ def main() -> int:
         return 1
     train_s = time.monotonic() - t_train
     total_steps = max(
-        r["step"] for r in map(json.loads, (out / "reference" / "metrics.jsonl").read_text().splitlines())
+        r["step"] for r in read_jsonl(out / "reference" / "metrics.jsonl")
     )
     step_s = train_s / total_steps
     print(
@@ -209,8 +210,8 @@ def main() -> int:
         if rc == 0
         else None
     )
-    ref_losses = [json.loads(x) for x in (out / "reference" / "metrics.jsonl").read_text().splitlines()]
-    got_losses = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
+    ref_losses = read_jsonl(out / "reference" / "metrics.jsonl")
+    got_losses = read_jsonl(run / "metrics.jsonl") if rc == 0 else []
     same_losses = [r.get("loss") for r in ref_losses] == [r.get("loss") for r in got_losses]
     summary = {
         "kills": len(kills),

@@ -84,6 +84,7 @@ from benchlib import measure_cuda, measure_real  # noqa: E402
 from finetune import faults  # noqa: E402
 from finetune.config import Config  # noqa: E402
 from finetune.config_io import load_config  # noqa: E402
+from finetune.fileio import read_jsonl  # noqa: E402
 from finetune.model import build_model, build_tokenizer  # noqa: E402
 from finetune.peak import MiB  # noqa: E402
 from finetune.planner import predict_peak  # noqa: E402
@@ -331,7 +332,7 @@ def train_row(w: Workload, name: str, overrides: list[str]) -> dict[str, Any]:
     train(cfg)
     wall = time.perf_counter() - t0
     run = Path(cfg.run.output_dir)
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run / "metrics.jsonl")
     train_rows = [r for r in rows if "samples_per_s" in r]
     per_step = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
     report = json.loads((run / "memory.json").read_text())

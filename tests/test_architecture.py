@@ -15,6 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 LAYERS = [
     "errors",
+    "fileio",
     "tasks",
     "config",
     "config_io",

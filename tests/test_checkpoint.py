@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from finetune import checkpoint as ckpt
 from finetune import faults, runtime
 from finetune.errors import UserError
-from finetune.sources import file_sha256
+from finetune.fileio import file_sha256, read_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +254,18 @@ def test_find_resume_checkpoint_auto(tmp_path: Path, prepared: Any) -> None:
 
 def test_trim_metrics(tmp_path: Path) -> None:
     f = tmp_path / "metrics.jsonl"
-    f.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    lines = [json.dumps({"step": s, "loss": s / 3, "lr": 1e-5, "x": float("nan")}) + "\n" for s in range(1, 6)]
+    f.write_text("".join(lines) + '{"step": 6, "lo')
     ckpt.trim_metrics(f, 3)
-    assert [json.loads(x)["step"] for x in f.read_text().splitlines()] == [1, 2, 3]
+    assert f.read_text() == "".join(lines[:3])  # the kept lines byte for byte, the torn one gone
+
+
+def test_read_jsonl_skips_blank_and_torn_lines(tmp_path: Path) -> None:
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1}\n\n{"step": 2, "loss": 0.5}\n{"step": 3, "lo')
+    assert read_jsonl(f) == [{"step": 1}, {"step": 2, "loss": 0.5}]
+    with pytest.raises(OSError):
+        read_jsonl(tmp_path / "missing.jsonl")
 
 
 def test_preemption_guard_sets_a_flag_and_restores_handlers() -> None:

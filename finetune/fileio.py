@@ -1,0 +1,48 @@
+"""File primitives every layer shares, with no finetune imports: the one content hasher
+(`file_sha256`) and the one reader of the JSON-lines files a run appends to (`read_jsonl`).
+
+They sit at the bottom of the layers because their users span them: the data files' sha256
+(data.py), checkpoint manifests (checkpoint.py), metrics.jsonl for memory.png and the run's peak
+(memory.py), curves.png (metrics.py), resume's trim (checkpoint.py), and the benchmark scripts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, or of a directory's files and their relative names (a saved dataset).
+
+    The one hasher for content: data files in provenance.json and resume's data check, and every
+    file in a checkpoint's manifest. A file is read in 1 MiB chunks, so a large one never sits in memory.
+    """
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file a run appends to (metrics.jsonl), in order.
+
+    Blank lines and a line that is not JSON are skipped: a run killed mid-write leaves its last line
+    torn, and that must not stop a plot, a resume or a benchmark from reading the rows before it.
+
+    Raises:
+        OSError: the file cannot be read (callers that accept a missing file check first).
+    """
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a kill, or a blank one
+    return rows
