@@ -99,6 +99,7 @@ def _plan_grid(args: argparse.Namespace) -> int:
         plan_grid,
         planning_tokenizer,
     )
+    from finetune.precision import refuse_adamw8bit_off_cuda
 
     cfg = load_config(args.config, args.overrides)
     bad = [x for x in [*(args.micro or []), *(args.lengths or [])] if x < 1]
@@ -106,8 +107,8 @@ def _plan_grid(args: argparse.Namespace) -> int:
         raise UserError(f"--micro and --lengths must be positive: {bad}")
     transformers.utils.logging.disable_progress_bar()
     device = args.device or default_device()
-    if device == "cpu" and cfg.train.optimizer == "adamw8bit":
-        raise UserError("train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda")
+    # before the tokenizer loads; the grid's settings change the precision mode, never the optimizer
+    refuse_adamw8bit_off_cuda(cfg.train.optimizer, device, planning=True)
     tokenizer, note = planning_tokenizer(cfg)
     names = label_names_cheaply(cfg)
     lengths = args.lengths or sorted({cfg.data.max_length, 512})

@@ -21,7 +21,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.model import classifier_of, head_names, layer_index
-from finetune.precision import Bf16AdamW
+from finetune.precision import Bf16AdamW, refuse_adamw8bit_off_cuda
 
 # process layouts where every process holds whole parameters and gradients (no FSDP/DeepSpeed sharding)
 _WHOLE_GRADIENTS = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
@@ -156,10 +156,8 @@ def build_adamw8bit(cfg: Config, groups: list[dict[str, Any]]) -> torch.optim.Op
         UserError: no CUDA GPU, or bitsandbytes is not installed.
     """
     t = cfg.train
-    if not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes"):
-        raise UserError(
-            "train.optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit kernels); on CPU use adamw or adafactor"
-        )
+    on_cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    refuse_adamw8bit_off_cuda(t.optimizer, "cpu" if on_cpu else "cuda")
     try:
         import bitsandbytes as bnb
     except ImportError:

@@ -59,7 +59,7 @@ from finetune.peak import (
     quantize_for_planning,
     to_fake,
 )
-from finetune.precision import apply_precision_policy
+from finetune.precision import apply_precision_policy, refuse_adamw8bit_off_cuda, refuse_fp16_on_cpu
 from finetune.reading import load_raw_splits
 from finetune.window import effective_batch, micro_batch_ladder, resolve_batch
 
@@ -135,15 +135,8 @@ def check_plannable(cfg: Config, device: str) -> list[str]:
     mode = cfg.precision.mode
     if cfg.model.compile:
         notes.append("model.compile is not applied when planning: eager memory (compiled graphs usually need less)")
-    if mode == "fp16" and device == "cpu":
-        raise UserError(
-            "precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); plan with --device cuda, "
-            "or use bf16/fp32"
-        )
-    if cfg.train.optimizer == "adamw8bit" and device != "cuda":
-        raise UserError(
-            "train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, or use adamw/adafactor"
-        )
+    refuse_fp16_on_cpu(mode, device, planning=True)
+    refuse_adamw8bit_off_cuda(cfg.train.optimizer, device, planning=True)
     if device == "cuda":
         notes.append(
             f"CUDA plan{' on a CPU' if not torch.cuda.is_available() else ''}: attention as CUDA's memory-efficient "

@@ -42,16 +42,40 @@ def accelerate_mixed_precision(mode: str) -> str:
     return {"fp32": "no", "fp16": "fp16", "bf16": "bf16", "bf16-true": "no"}[mode]
 
 
+def refuse_fp16_on_cpu(mode: str, device: str, *, planning: bool = False) -> None:
+    """The one fp16-on-CPU rule, for training (`check_supported`) and planning (`planner.check_plannable`):
+    Accelerate silently ignores fp16 on CPU, so the run would be fp32 while its config says fp16.
+
+    Raises:
+        UserError: `mode` is fp16 and `device` is "cpu" (the remedy named for a run or for `finetune plan`).
+    """
+    if mode == "fp16" and device == "cpu":
+        fix = "plan with --device cuda, or use bf16/fp32" if planning else "use bf16 or fp32"
+        raise UserError(f"precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); {fix}")
+
+
+def refuse_adamw8bit_off_cuda(optimizer: str, device: str, *, planning: bool = False) -> None:
+    """The one adamw8bit rule, for training (`optim.build_adamw8bit`) and planning (`finetune plan`, with
+    or without --grid): bitsandbytes' 8-bit optimizer kernels run on CUDA only.
+
+    Raises:
+        UserError: `optimizer` is adamw8bit and `device` is not "cuda" (the remedy named for a run or a plan).
+    """
+    if optimizer == "adamw8bit" and device != "cuda":
+        if planning:
+            raise UserError("train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, "
+                            "or use adamw/adafactor")
+        raise UserError("train.optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit kernels); on CPU use adamw "
+                        "or adafactor")
+
+
 def check_supported(mode: str, device: torch.device) -> None:
     """Refuse combinations Accelerate would silently ignore or the hardware cannot run.
 
     Raises:
         UserError: the precision mode cannot run on `device`.
     """
-    if mode == "fp16" and device.type == "cpu":
-        raise UserError(
-            "precision.mode=fp16 needs a CUDA GPU (Accelerate silently ignores it on CPU); use bf16 or fp32"
-        )
+    refuse_fp16_on_cpu(mode, device.type)
     if mode in ("bf16", "bf16-true") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError(f"precision.mode={mode}: this GPU has no bf16 support; use fp16 or fp32")
 
