@@ -10,7 +10,8 @@ Three sources, each named in the report:
   fragmentation, allocation retries, OOMs and `memory_summary()`; on CPU the peak RSS since the
   previous checkpoint (Linux VmHWM, reset through /proc/self/clear_refs).
 
-The planner (what a config *will* need) lives in finetune/planner.py; this module only measures.
+What a config *will* need is predicted elsewhere (finetune/planner.py, on the window harness of
+finetune/peak.py); this module only measures a real run. `PeakTracker` here is shared by both.
 """
 
 from __future__ import annotations
@@ -227,8 +228,9 @@ class MemoryMonitor:
 
     def begin_sample(self, step: int) -> None:
         """Start MemTracker on the window that produces step `step + 1`: the first one after the first
-        optimizer step (before it AdamW's state does not exist yet and the peak would be too low,
-        DESIGN.md), and again on `heaviest_step`'s window, whose longer rows may peak higher.
+        optimizer step (before it AdamW's state does not exist yet and the peak would be too low: 1,206
+        against 1,379 MiB on the default model, docs/MEMORY.md), and again on `heaviest_step`'s window,
+        whose longer rows may peak higher.
         """
         again = bool(self.sample and "peak" in self.sample and step + 1 == self.heaviest_step
                      and self.sample["step"] != step + 1)  # fmt: skip

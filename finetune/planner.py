@@ -8,8 +8,8 @@ is measured: the first one creates the optimizer state (on the default model the
 peaks at 1,206 MiB without AdamW state, the second at 1,379). Nothing is allocated, so a
 ladder of micro-batch sizes takes seconds on a CPU.
 
-The same `measure_window` runs on real tensors too (`finetune/planner.py` is what
-`scripts/bench_memory.py` and the tests use to compare prediction and measurement).
+The same `peak.measure_window` runs on real tensors too: `measure_real` / `measure_cuda` in
+scripts/benchlib.py, which scripts/bench_memory.py and the tests use to compare prediction and measurement.
 
 Workarounds for what the primitives do not do out of the box (see docs/MEMORY.md):
 - MemTracker registers a gradient hook on every parameter and fails on frozen ones (LoRA, frozen

@@ -47,7 +47,7 @@ def _window(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batc
 def test_monitor_sums_tensors_and_samples_a_step(freeze_embeddings: bool) -> None:
     torch.manual_seed(0)
     model = Net()
-    if freeze_embeddings:  # MemTracker alone raises on frozen parameters (DESIGN.md)
+    if freeze_embeddings:  # MemTracker alone raises on frozen parameters (docs/MEMORY.md, memory.PeakTracker)
         model.embed.weight.requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
