@@ -12,7 +12,6 @@ go to OUT_DIR/onnx_check.json.
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -20,8 +19,6 @@ from typing import Any
 
 from finetune.errors import UserError
 from finetune.final import check_final, load_final
-
-logger = logging.getLogger("finetune")
 
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 CHECK_FILE = "onnx_check.json"

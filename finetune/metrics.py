@@ -30,7 +30,7 @@ from finetune import faults
 from finetune.errors import UserError
 from finetune.fileio import read_jsonl
 from finetune.precision import fp32_per_sample_loss
-from finetune.tasks import HEADLINE, MULTI, PROBLEM_TYPES, REGRESSION, SINGLE
+from finetune.tasks import HEADLINE, MULTI, PROBLEM_TYPES, REGRESSION
 
 logger = logging.getLogger("finetune")
 
@@ -305,26 +305,6 @@ def score(
     metrics = compute_metrics(problem_type, labels.numpy(), logits.numpy(), label_names, thresholds)
     metrics["loss"] = float(fp32_per_sample_loss(logits, labels, problem_type).mean()) if len(labels) else 0.0
     return metrics
-
-
-def evaluate(
-    model: torch.nn.Module,
-    loader: Any,
-    accelerator: Accelerator,
-    label_names: list[str],
-    fault_step: int = 0,
-    problem_type: str = SINGLE,
-    thresholds: list[float] | None = None,
-    aggregate: str = "mean",
-) -> dict[str, Any]:
-    """Metrics over a prepared loader (`collect_outputs`, then `score`). Multi-label: `thresholds`
-    per label, or tuned on this loader's data when None.
-
-    Raises:
-        UserError: out of memory even one row at a time.
-    """
-    outputs = collect_outputs(model, loader, accelerator, fault_step, aggregate)
-    return score(outputs, problem_type, label_names, thresholds)
 
 
 def per_text(

@@ -24,7 +24,6 @@ from finetune.errors import UserError
 from finetune.precision import apply_precision_policy, within
 from finetune.sources import resolve_model_path, save_on_this_process
 
-logger = logging.getLogger("finetune")
 transformers.logging.set_verbosity_error()
 # without network huggingface_hub logs every retry; the UserError below is the one line the user needs
 huggingface_hub.utils.logging.set_verbosity_error()

@@ -9,7 +9,6 @@ what fake tensors cannot run (bitsandbytes' quantized layers, its 8-bit Adam).
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import re
@@ -25,8 +24,6 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from finetune.memory import PeakTracker
 from finetune.model import classifier_of, head_names
 from finetune.precision import fp32_cross_entropy, within
-
-logger = logging.getLogger("finetune")
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -124,10 +121,6 @@ class Measurement:
 
     peak_bytes: int
     categories: dict[str, int]
-
-    def as_mib(self) -> dict[str, float]:
-        """Peak and categories in MiB (for printing)."""
-        return {"peak": self.peak_bytes / MiB, **{k: v / MiB for k, v in self.categories.items()}}
 
 
 def autocast_context(mode: str, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
