@@ -9,7 +9,7 @@ export FINETUNE_DATA_DIR ?= $(DATA_DIR)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: demo test setup data clean-runs
+.PHONY: demo test test-fast setup data clean-runs
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ demo: setup data
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests --durations=15
+
+# the unit subset: no training runs, subprocess launches or real models (tests marked slow left out)
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests -m "not slow"
 
 clean-runs:
 	rm -rf runs

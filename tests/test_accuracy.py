@@ -167,6 +167,7 @@ def _reference(kind: str, y: np.ndarray, logits: np.ndarray, thresholds: list[fl
     return {"accuracy": accuracy_score(y, pred), "macro_f1": f1_score(y, pred, average="macro", labels=[0, 1, 2])}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(PROBLEM_TYPES))
 def test_bootstrap_interval_equals_a_plain_numpy_bootstrap(kind: str) -> None:
     y, logits, k = _problem(kind, np.random.default_rng(3))
@@ -201,6 +202,7 @@ def test_headline_metrics_match_compute_metrics_with_absent_classes(kind: str) -
 # predictions.jsonl, eval.json's intervals, report --errors (the shared tiny run).
 
 
+@pytest.mark.slow
 def test_predictions_and_intervals_describe_final(
     tiny_run: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -231,6 +233,7 @@ def test_predictions_and_intervals_describe_final(
         assert f"gold={r['gold']} predicted={r['prediction']}" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--errors", "0"], "positive count"), (["--errors", "2", "--split", "test"], "no test predictions")],

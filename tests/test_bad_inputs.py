@@ -334,12 +334,14 @@ def _check_proc(proc: subprocess.CompletedProcess[str], out: Path, *needles: str
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_python_train_py_subprocess(case) -> None:
     cfg, out = case(data={"train.csv": "text,label\n"})
     proc = _run([sys.executable, "finetune/train.py", "--config", str(cfg)])
     _check_proc(proc, out, "train.csv", "no rows")
 
 
+@pytest.mark.slow
 def test_finetune_console_script_subprocess(case) -> None:
     cfg, out = case()
     script = Path(sys.executable).parent / "finetune"

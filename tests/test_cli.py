@@ -18,6 +18,7 @@ def _labels(run: Path) -> list[str]:
     return json.loads((run / "labels.json").read_text())
 
 
+@pytest.mark.slow
 def test_predict_txt_to_jsonl(tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(TEXTS) + "\n\n")  # blank lines are not texts

@@ -29,6 +29,7 @@ def _named_counts(raw, ds) -> dict[str, int]:
 # The four datasets (numbers from ../shared/data/*/SOURCE.md).
 
 
+@pytest.mark.slow
 def test_sst2_rows_and_labels(data_dir: Path) -> None:
     _, raw = _splits("sst2-minilm.yaml", ["data.max_train_samples=null"])
     assert raw.label_names == ["negative", "positive"]

@@ -150,6 +150,7 @@ def _reference_logits(run: Path, cfg_path: Path) -> torch.Tensor:
         return torch.cat([model(**tok(t, return_tensors="pt")).logits for t in TEXTS])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_exports_and_reloads(
@@ -380,6 +381,7 @@ def stopped_and_resumed(
     return ref, got
 
 
+@pytest.mark.slow
 def test_lora_resume_on_a_decoder_is_exact(
     tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -399,6 +401,7 @@ def test_lora_resume_on_a_decoder_is_exact(
 # Precision: bf16 and bf16-true on one encoder and one decoder; buffers; fp16 per family.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "bf16-true"])
 @pytest.mark.parametrize("family", ["deberta-v2", "llama"])
 def test_bf16_modes_train_and_keep_buffers_fp32(family: str, mode: str, tokenizers: dict[str, Path],
@@ -479,6 +482,7 @@ def test_packing_is_refused_for_a_decoder(tokenizers: dict[str, Path], tmp_path:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_the_planner_runs_for_every_family(tokenizers: dict[str, Path], tmp_path: Path) -> None:
     from finetune.planner import plan
 

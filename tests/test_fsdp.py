@@ -79,6 +79,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"dir": d, "stopped": stopped, "first_ckpt": first_ckpt, "shards": shards, "resumed": resumed, "lora": lora}
 
 
+@pytest.mark.slow
 @needs_data
 def test_fsdp_sigterm_resume_equals_one_process(runs: dict) -> None:
     """SIGTERM to rank 0 after step 1: both ranks stop at the step with one sharded checkpoint; the resumed
@@ -117,6 +118,7 @@ def test_fsdp_sigterm_resume_equals_one_process(runs: dict) -> None:
         assert {r["label"]: r["score"] for r in a} == pytest.approx({r["label"]: r["score"] for r in b}, abs=1e-5)
 
 
+@pytest.mark.slow
 @needs_data
 def test_fsdp_lora_export_best_equals_one_process(runs: dict) -> None:
     """LoRA under FSDP (frozen base sharded with the adapters), final/ from the best checkpoint's shards."""
@@ -134,6 +136,7 @@ def test_fsdp_lora_export_best_equals_one_process(runs: dict) -> None:
     assert j1["step"] == j2["step"] and j1["exported"] == j2["exported"] == "best"
 
 
+@pytest.mark.slow
 @needs_data
 def test_fsdp_planner_per_rank_against_each_rank_measured(runs: dict) -> None:
     """Each rank's measured peak (MemTracker in the run, memory.json `ranks`) against `plan(..., shards=2)`:

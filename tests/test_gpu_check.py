@@ -40,6 +40,7 @@ def positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow
 def test_precision_rows_one_per_mode_with_consistent_numbers(dry_run: tuple[dict[str, Any], str, ModuleType]) -> None:
     result, md, gpu_check = dry_run
     assert result["dry_run"] and result["environment"]["device"] == "cpu"
@@ -70,6 +71,7 @@ def test_precision_rows_one_per_mode_with_consistent_numbers(dry_run: tuple[dict
         assert table.count(f"| {r['model']} | {r['mode']} |") == 1
 
 
+@pytest.mark.slow
 def test_planner_rows_hold_the_plan_and_the_measurement(dry_run: tuple[dict[str, Any], str, ModuleType]) -> None:
     result, md, _ = dry_run
     rows = result["memory"]
@@ -85,6 +87,7 @@ def test_planner_rows_hold_the_plan_and_the_measurement(dry_run: tuple[dict[str,
     assert sum(line.startswith("| minilm |") or line.startswith("| qwen") for line in table.splitlines()) == len(rows)
 
 
+@pytest.mark.slow
 def test_trainer_side_by_side_and_oom_backoff(dry_run: tuple[dict[str, Any], str, ModuleType]) -> None:
     result, md, _ = dry_run
     ours, *trainers = result["trainer"]

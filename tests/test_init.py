@@ -28,6 +28,7 @@ def _init(data: Path, out: Path, *extra: str) -> int:
     return cli_main(["init", str(data), "-o", str(out), *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, problem_type, rows, labels, keys",
     [
@@ -54,6 +55,7 @@ def test_init_reads_each_layout(
     assert raw.label_names == labels if isinstance(labels, list) else len(raw.label_names) == labels
 
 
+@pytest.mark.slow
 def test_init_config_trains_as_written(tmp_path: Path, data_dir: Path) -> None:
     out = tmp_path / "sms.yaml"
     assert _init(data_dir / "sms_spam" / "SMSSpamCollection", out) == 0

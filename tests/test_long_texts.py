@@ -38,6 +38,7 @@ def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
     return err[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
     [{"train.class_weights": [1.0, 3.0]},
@@ -134,6 +135,7 @@ def test_per_text_aggregation_of_windows() -> None:
     assert per_text(logits, labels, docs, "max")[0].tolist() == [[0.0, 5.0], [3.0, 2.0]]
 
 
+@pytest.mark.slow
 def test_chunked_run_scores_texts_and_predicts_as_it_evaluates(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

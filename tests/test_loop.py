@@ -46,6 +46,7 @@ def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
     return err[0]
 
 
+@pytest.mark.slow
 def test_eval_json_describes_the_exported_best_weights(tmp_path: Path) -> None:
     # lr 3e-2 makes this seed's validation accuracy peak before the end, so best != last
     cfg = _cfg(tmp_path, {"train.learning_rate": 3e-2, "train.max_steps": 8, "train.epochs": 4,
@@ -79,6 +80,7 @@ def test_launch_config_dynamo_is_refused_unless_the_config_compiles(
     assert accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
 
 
+@pytest.mark.slow
 def test_resume_settles_an_interrupted_replacement_before_choosing(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -130,6 +132,7 @@ def test_final_predicts_with_the_training_max_length(tiny_run: Path) -> None:
     assert longer.tolist() != pytest.approx(expected, abs=1e-6)  # the cut point matters for this text
 
 
+@pytest.mark.slow
 def test_out_of_memory_inside_the_optimizer_step_is_not_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -140,6 +143,7 @@ def test_out_of_memory_inside_the_optimizer_step_is_not_retried(
     assert f"{ckpt.checkpoint_dir(tmp_path / 'run', 1)} is intact" in line
 
 
+@pytest.mark.slow
 def test_out_of_memory_in_evaluation_halves_the_rows_per_forward(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -153,6 +157,7 @@ def test_out_of_memory_in_evaluation_halves_the_rows_per_forward(
     assert a["confusion_matrix"] == b["confusion_matrix"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_resumable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -198,6 +203,7 @@ def test_num_threads_auto_divides_the_cores_among_local_processes(monkeypatch: p
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "bf16-true"])
 def test_the_loss_handed_to_backward_is_fp32(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from accelerate import Accelerator
@@ -223,6 +229,7 @@ def test_the_loss_handed_to_backward_is_fp32(mode: str, tmp_path: Path, monkeypa
     assert all(logits == torch.bfloat16 for _, logits in seen), seen  # the forward really ran in bf16
 
 
+@pytest.mark.slow
 def test_exact_resume_with_dropout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

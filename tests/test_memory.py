@@ -88,6 +88,7 @@ def test_report_without_a_sample_says_so() -> None:
     assert "| parameters |" in mem.format_markdown(rep)
 
 
+@pytest.mark.slow
 def test_every_checkpoint_has_a_memory_report(
     tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -193,6 +194,7 @@ def test_cuda_report_from_the_allocator_counters(monkeypatch: pytest.MonkeyPatch
     assert "summary text" in mem.format_markdown(rep)
 
 
+@pytest.mark.slow
 def test_no_memtracker_around_the_final_evaluation(
     tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -213,6 +215,7 @@ def test_no_memtracker_around_the_final_evaluation(
     assert modes == [None]
 
 
+@pytest.mark.slow
 def test_memory_png_shows_the_breakdown_beside_the_plan(tmp_path: Path, data_dir: Path) -> None:
     # train.micro_batch_size=auto plans the micro-batch: memory.json keeps the plan, memory.png draws both
     import matplotlib.pyplot as plt

@@ -102,6 +102,7 @@ def test_optimizer_choices() -> None:
     assert not torch.equal(before, model.classifier.weight)
 
 
+@pytest.mark.slow
 def test_lora_run_end_to_end_loads_in_a_pipeline(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
     from transformers import pipeline
 

@@ -80,6 +80,7 @@ def _eval_rows(run: Path) -> list[dict]:
     return [r for r in rows if "eval_accuracy" in r]
 
 
+@pytest.mark.slow
 @needs_data
 def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path) -> None:
     two = tmp_path / "two"
@@ -147,6 +148,7 @@ def test_two_processes_equal_one_process_with_double_micro_batch(tmp_path: Path)
     )
 
 
+@pytest.mark.slow
 @needs_data
 def test_a_full_disk_on_one_rank_ends_every_rank_with_one_line(tmp_path: Path) -> None:
     """The disk fills on rank 1 while rank 0 saves its share of the same checkpoint: every rank ends with
@@ -353,6 +355,7 @@ def sgd_two_process_run(sgd_setup: SgdSetup, tmp_path_factory: pytest.TempPathFa
     return run, proc.stderr
 
 
+@pytest.mark.slow
 @needs_data
 def test_two_process_accumulation_equals_full_batch_gradient(
     sgd_setup: SgdSetup, sgd_two_process_run: tuple[Path, str]
@@ -388,6 +391,7 @@ def test_two_process_accumulation_equals_full_batch_gradient(
         assert diff > 100 * tol, f"a {name} gradient would pass unnoticed ({diff} vs tolerance {tol})"
 
 
+@pytest.mark.slow
 @needs_data
 def test_export_best_under_ddp(sgd_setup: SgdSetup, sgd_two_process_run: tuple[Path, str]) -> None:
     """checkpoint.export=best with 2 processes (it crashed: safetensors refused the gloo run's device
@@ -413,6 +417,7 @@ def test_export_best_under_ddp(sgd_setup: SgdSetup, sgd_two_process_run: tuple[P
     assert j["accuracy"] == own["accuracy"] and j["loss"] == pytest.approx(own["loss"], abs=1e-6)
 
 
+@pytest.mark.slow
 @needs_data
 def test_resume_one_process_checkpoint_on_two_processes(
     sgd_setup: SgdSetup, sgd_two_process_run: tuple[Path, str]

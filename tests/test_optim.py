@@ -40,6 +40,7 @@ def test_schedules_match_transformers_get_scheduler(shape: str, hf_name: str, wa
     assert len(set(ours)) > 1 or (shape, warmup) == ("constant", 0)
 
 
+@pytest.mark.slow
 def test_start_up_imports_no_optional_heavy_library() -> None:
     # peft (LoRA), bitsandbytes (8-bit/4-bit), matplotlib (plots at the end), tensorboard (a tracker)
     code = (

@@ -92,6 +92,7 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "final" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_packed_run_ends_with_the_unpacked_weights(tmp_path: Path, tiny_config: Callable[..., Path]) -> None:
     """tiny-debug has dropout 0, so packing changes only the layout: same gradients, same weights."""
     from finetune.train import main
@@ -151,6 +152,7 @@ def test_packing_refuses_what_it_does_not_cover(
     assert not (Path(cfg).parent / "run").exists()  # nothing written
 
 
+@pytest.mark.slow
 def test_two_processes_packed_equal_one_process_packed(tmp_path: Path, data_dir: Path) -> None:
     """Each process packs its own share of a global micro-batch: 2 processes x micro 4 end with the
     weights of 1 process x micro 8 (90 rows, global batch 8: a short last window)."""

@@ -32,6 +32,7 @@ def _real_rows(cfg: Any, n: int) -> tuple[list[str], list[int], list[str]]:
     return texts, labels, raw.label_names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides,micro,accumulation",
     [
@@ -60,6 +61,7 @@ def test_prediction_within_5_percent_of_a_real_step(
     assert sum(predicted.categories.values()) == predicted.peak_bytes
 
 
+@pytest.mark.slow
 def test_frozen_parameters_and_lora_are_planned(data_dir: Path) -> None:
     """MemTracker's hooks fail on frozen parameters and peft fails under FakeTensorMode: both are worked around."""
     from finetune.model import build_tokenizer
@@ -85,6 +87,7 @@ def test_frozen_parameters_and_lora_are_planned(data_dir: Path) -> None:
     assert lora.peak_bytes < full.peak_bytes
 
 
+@pytest.mark.slow
 def test_optimizers_change_the_state_category(data_dir: Path) -> None:
     from finetune.model import build_tokenizer
 
@@ -125,6 +128,7 @@ def test_optimizers_change_the_state_category(data_dir: Path) -> None:
     )  # 2 bytes (+ absmax) per parameter instead of 8
 
 
+@pytest.mark.slow
 def test_plan_cli_json_and_cuda_margin(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from finetune.cli import main
 
@@ -156,6 +160,7 @@ def test_plan_cli_json_and_cuda_margin(data_dir: Path, capsys: pytest.CaptureFix
     assert "micro" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_auto_micro_batch_picks_a_fitting_setting(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
     from finetune.model import build_tokenizer
     from finetune.train import main
@@ -184,6 +189,7 @@ def test_auto_micro_batch_picks_a_fitting_setting(tiny_config: Callable[..., Pat
     )
 
 
+@pytest.mark.slow
 def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:
     """A CUDA plan keeps no L x L attention probabilities (flash / memory-efficient kernels) and
     counts two cuBLAS workspaces; a CPU plan of the same step keeps them: with attention dropout

@@ -63,6 +63,7 @@ def _plan_against_loop(family: str, setting: dict[str, Any], tokenizers: dict[st
     assert abs(planned.peak_bytes - report["peak_bytes"]) <= 0.05 * report["peak_bytes"], (planned, report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_plan_matches_the_training_loops_measured_peak(
     family: str, tokenizers: dict[str, Path], long_rows: Path, tmp_path: Path
@@ -70,6 +71,7 @@ def test_the_plan_matches_the_training_loops_measured_peak(
     _plan_against_loop(family, SETTINGS[list(FAMILIES).index(family) % len(SETTINGS)], tokenizers, long_rows, tmp_path)
 
 
+@pytest.mark.slow
 def test_an_8bit_plan_matches_the_training_loops_measured_peak(
     tokenizers: dict[str, Path], long_rows: Path, tmp_path: Path
 ) -> None:
@@ -79,6 +81,7 @@ def test_an_8bit_plan_matches_the_training_loops_measured_peak(
     _plan_against_loop("bert", setting, tokenizers, long_rows, tmp_path)
 
 
+@pytest.mark.slow
 def test_extrapolating_from_2_and_4_layers_equals_the_full_plan(tokenizers: dict[str, Path], tmp_path: Path) -> None:
     from finetune import planner
 
@@ -94,6 +97,7 @@ def test_extrapolating_from_2_and_4_layers_equals_the_full_plan(tokenizers: dict
     assert abs(fast.peak_bytes - full.peak_bytes) <= 16 and fast.categories.keys() == full.categories.keys()
 
 
+@pytest.mark.slow
 def test_a_1b_model_plans_from_its_dimensions_without_allocating(
     data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,6 +115,7 @@ def test_a_1b_model_plans_from_its_dimensions_without_allocating(
     assert grown < 300 * MiB  # a real fp32 copy would be 4.6 GiB
 
 
+@pytest.mark.slow
 def test_plan_grid_compares_the_settings(tiny_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
     path = tiny_config({"data.max_length": 16})
     assert cli_main(["plan", "--config", str(path), "--grid", "--micro", "4", "--lengths", "16",

@@ -411,6 +411,7 @@ def test_release_cached_memory_only_on_cuda_when_enabled(monkeypatch: pytest.Mon
 # torch.compile.
 
 
+@pytest.mark.slow
 def test_compile_checkpoint_keys_load_both_ways_and_strip_orig_mod() -> None:
     torch._dynamo.reset()
     compiled = tiny_bert()
@@ -461,6 +462,7 @@ def test_recompile_limit_hit_is_detected_and_reported(caplog: pytest.LogCaptureF
     assert "recompile_limit" in caplog.text
 
 
+@pytest.mark.slow
 def test_inductor_compiles_bf16_true_model_with_fp32_norms() -> None:
     """The one inductor test: a small bf16 model with an fp32 LayerNorm, forward and backward."""
     torch.manual_seed(0)
@@ -484,6 +486,7 @@ def _rows(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_train_bf16_true_audit_files_and_checkpoint_dtypes(tiny_config: Callable[..., Path]) -> None:
     cfg = tiny_config(
         {
@@ -512,6 +515,7 @@ def test_train_bf16_true_audit_files_and_checkpoint_dtypes(tiny_config: Callable
     assert {p.dtype for n, p in loaded.named_parameters() if "LayerNorm" in n} == {torch.float32}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_planted_inf_loss_stops_or_skips_and_keeps_checkpoint(
     policy: str, tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -557,6 +561,7 @@ def test_planted_inf_loss_stops_or_skips_and_keeps_checkpoint(
         assert all(torch.equal(last[k], saved[k]) for k in saved)
 
 
+@pytest.mark.slow
 def test_compiled_run_records_graphs_and_writes_clean_keys(tiny_config: Callable[..., Path]) -> None:
     """An epoch of real SST-2 lengths (max_length 128, length-grouped) stays a few graphs."""
     cfg = tiny_config(

@@ -136,6 +136,7 @@ def _onnx_vs_torch(final: Path, out: Path, texts: list[str]) -> float:
     return worst
 
 
+@pytest.mark.slow
 def test_onnx_export_matches_pytorch(tiny_run: Path, data_dir: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     finals = {"single_label": tiny_run / "final", **_tiny_finals(tmp_path)}

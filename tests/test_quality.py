@@ -45,6 +45,7 @@ def test_multi_label_bias_starts_at_each_labels_log_odds(tmp_path: Path, data_di
     assert torch.sigmoid(layer.bias).max().item() < 0.4
 
 
+@pytest.mark.slow
 def test_regression_head_starts_at_the_target_mean_and_spread(tmp_path: Path, data_dir: Path) -> None:
     with open(data_dir / "stsb" / "dev.tsv", encoding="utf-8") as f:
         lines = list(f)[1:257]  # a header, then the tiny config's 256 training rows
@@ -57,6 +58,7 @@ def test_regression_head_starts_at_the_target_mean_and_spread(tmp_path: Path, da
     assert abs(layer.bias.item() - random_layer.bias.item()) > 2.0
 
 
+@pytest.mark.slow
 def test_a_classifier_checkpoint_keeps_its_head(tmp_path: Path) -> None:
     # continued fine-tuning from a saved classifier: its trained head is not reset to the prior
     model, layer = _build(tmp_path / "a", {**STSB, "model.head_init": "random"})

@@ -44,6 +44,7 @@ def _quantized(family: str, kind: str, tokenizers: dict[str, Path], tmp_path: Pa
     return tok, build_model(cfg, NAMES, tok)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_quantizes_its_base_and_keeps_head_and_norms(
     family: str, tokenizers: dict[str, Path], tmp_path: Path
@@ -77,6 +78,7 @@ def test_every_family_quantizes_its_base_and_keeps_head_and_norms(
                and "modules_to_save" not in n)
 
 
+@pytest.mark.slow
 def test_qlora_run_exports_the_merge_into_the_unquantized_base(tokenizers: dict[str, Path], tmp_path: Path) -> None:
     """A pretrained (saved) Llama, 4-bit, bf16 autocast, checkpointing: final/ = the fp32 base from disk
     with the adapters merged, equal to peft's unmerged adapter on that base; final/adapter loads with peft."""
@@ -136,6 +138,7 @@ def test_an_architecture_model_exports_after_8bit_training(tokenizers: dict[str,
     assert "Linear8bitLt" not in log and "MatMul8bitLt" not in log
 
 
+@pytest.mark.slow
 def test_quantization_errors_are_one_line(
     tokenizers: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -158,6 +161,7 @@ def test_quantization_errors_are_one_line(
         load_config(plain, ["model.quantization=8bit"])
 
 
+@pytest.mark.slow
 def test_qlora_resume_is_exact(tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint holds bitsandbytes' quantization state beside each 4-bit weight: resume skips it
     (the base is rebuilt identically) and checks every other key strictly."""

@@ -76,6 +76,7 @@ def _assert_same_as_reference(run: Path, reference: Path, after_step: int) -> No
     assert {s: got[s] for s in got if s > after_step} == {s: ref[s] for s in ref if s > after_step}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fault, stopped_at",
     [
@@ -122,6 +123,7 @@ def test_sigterm_then_resume_is_exact(
     _assert_same_as_reference(run, reference, stopped_at)
 
 
+@pytest.mark.slow
 def test_sigint_checkpoints_and_exits_130(
     tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -132,6 +134,7 @@ def test_sigint_checkpoints_and_exits_130(
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step_00000002"]
 
 
+@pytest.mark.slow
 def test_crash_inside_a_checkpoint_write_resumes_from_the_previous_one(
     reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -152,6 +155,7 @@ def test_crash_inside_a_checkpoint_write_resumes_from_the_previous_one(
     _assert_same_as_reference(run, reference, 3)
 
 
+@pytest.mark.slow
 def test_truncated_newest_checkpoint_is_skipped(
     reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -184,6 +188,7 @@ def test_auto_resume_refuses_a_foreign_directory(
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_accelerate_launcher_alone_reaches_training(tmp_path: Path, data_dir: Path) -> None:
     """`accelerate launch` forwards no signals; the parent-death signal makes its death reach the trainer."""
     cfg = _config(tmp_path)
@@ -234,6 +239,7 @@ def test_sigterm_to_the_accelerate_launcher_alone_reaches_training(tmp_path: Pat
     assert newest == ckpt.checkpoint_dir(run, 2) and ckpt.read_progress(newest).step == 2
 
 
+@pytest.mark.slow
 def test_early_stopping_export_best_and_rotation(
     tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -280,6 +286,7 @@ def test_early_stopping_export_best_and_rotation(
     assert manifest.read_text() == manifest_before
 
 
+@pytest.mark.slow
 def test_preemption_at_a_checkpoint_step_saves_once(
     tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

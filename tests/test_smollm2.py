@@ -69,6 +69,7 @@ def _pooled_reference(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tenso
 TEXTS = ["a gorgeous, witty film", f"dull and lifeless {EOS}", f"the {EOS} best movie of the year", "bad"]
 
 
+@pytest.mark.slow
 def test_lora_on_the_real_decoder_trains_and_final_loads_in_pipeline(
     smol: Path, data_dir: Path, tmp_path: Path
 ) -> None:
@@ -109,6 +110,7 @@ def test_lora_on_the_real_decoder_trains_and_final_loads_in_pipeline(
         torch.testing.assert_close(model(**batch).logits, _pooled_reference(model, batch), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_tokenizer_without_pad_pools_the_last_token_of_a_text_holding_eos(smol: Path, tmp_path: Path) -> None:
     import datasets
 

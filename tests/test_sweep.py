@@ -27,6 +27,7 @@ def _study(root: Path) -> Any:
     return optuna.load_study(study_name=root.name, storage=f"sqlite:///{root / 'study.db'}")
 
 
+@pytest.mark.slow
 def test_sweep_writes_study_trials_and_a_best_yaml_that_trains(
     tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -57,6 +58,7 @@ def test_sweep_writes_study_trials_and_a_best_yaml_that_trains(
     assert err.count("\ntrial ") + err.startswith("trial ") == 2 and "best: trial" in err
 
 
+@pytest.mark.slow
 def test_a_trial_below_the_median_is_pruned_and_left_as_a_marked_run(tmp_path: Path, data_dir: Path) -> None:
     import optuna
 

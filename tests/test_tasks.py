@@ -61,6 +61,7 @@ def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
 # Exact accumulation per problem type.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [GOEMOTIONS, STSB], ids=["multi_label", "regression"])
 def test_accumulated_sgd_equals_full_batch_gradient(shape: dict[str, Any], tmp_path: Path) -> None:
     # windows of 16, 16 and 8 samples (the short tail): each step must be plain SGD on the mean loss
@@ -276,6 +277,7 @@ def multi_label_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) ->
                     "train.learning_rate": 3e-3})  # fmt: skip
 
 
+@pytest.mark.slow
 def test_multi_label_final_config_pipeline_predict_and_evaluate(
     multi_label_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -324,6 +326,7 @@ def test_multi_label_final_config_pipeline_predict_and_evaluate(
         assert metrics["micro_f1_ci"][0] <= metrics["micro_f1"] <= metrics["micro_f1_ci"][1]
 
 
+@pytest.mark.slow
 def test_regression_pairs_pipeline_and_predict(tmp_path: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 

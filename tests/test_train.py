@@ -22,6 +22,7 @@ from finetune.config_io import load_config, parse_yaml12, validate_config
 from finetune.final import export_final
 
 
+@pytest.mark.slow
 def test_max_steps_ends_the_run_and_the_schedule(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
     # 64 rows, micro 4 x accumulation 2: 8 windows per epoch; epochs 3 but max_steps 5 -> 5 steps
     cfg = tiny_config(
@@ -79,6 +80,7 @@ def test_adamw_does_not_decay_biases_and_norms(tiny_config: Callable[..., Path])
 # End to end through `accelerate launch`.
 
 
+@pytest.mark.slow
 def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     launcher = Path(sys.executable).parent / "accelerate"
@@ -136,6 +138,7 @@ def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Pat
     assert all(0.0 < p["score"] <= 1.0 for p in preds)
 
 
+@pytest.mark.slow
 def test_trackers_tensorboard_and_mlflow(
     tiny_config: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -211,6 +214,7 @@ def test_tracker_without_its_package_is_one_line(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(
     tiny_config: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -292,6 +296,7 @@ def test_setup_logging_closes_the_previous_log_file(tmp_path: Path) -> None:
     runtime.setup_logging(acc, None)
 
 
+@pytest.mark.slow
 def test_clipping_folded_into_fused_adamw_equals_clip_grad_norm(
     tmp_path: Path, tiny_config: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -168,6 +168,7 @@ def test_accumulated_gradient_equals_full_batch_gradient_on_ragged_windows(
     assert _rel_err({n: params[1][n] for n in step1}, step1) <= 1e-6
 
 
+@pytest.mark.slow
 def test_batch_layouts_with_the_same_windows_train_the_same_weights(
     tiny_config: Callable[..., Path], tmp_path: Path
 ) -> None:
@@ -378,6 +379,7 @@ def test_adapt_to_launch() -> None:
 # Out of memory inside a window: the retry.
 
 
+@pytest.mark.slow
 def test_injected_oom_redoes_the_window_at_half_the_micro_batch(
     tiny_config: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
