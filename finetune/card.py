@@ -59,12 +59,20 @@ def card_data(cfg: Config, final: dict[str, Any], files: dict[str, Path], name: 
     """
     dataset = dataset_name(cfg, files)
     results = [
-        EvalResult(task_type=TASK[0], task_name=TASK[1], dataset_type=dataset, dataset_name=dataset,
-                   dataset_split=split, metric_type=m.hub_type, metric_value=scores[m.name], metric_name=m.hub_name,
-                   metric_args=dict(m.hub_args) if m.hub_args else None)
+        EvalResult(
+            task_type=TASK[0],
+            task_name=TASK[1],
+            dataset_type=dataset,
+            dataset_name=dataset,
+            dataset_split=split,
+            metric_type=m.hub_type,
+            metric_value=scores[m.name],
+            metric_name=m.hub_name,
+            metric_args=dict(m.hub_args) if m.hub_args else None,
+        )
         for split, scores in (("validation", final), ("test", final.get("test") or {}))
         for m in _on_card(scores)
-    ]  # fmt: skip
+    ]
     return ModelCardData(
         library_name="transformers",
         pipeline_tag=TASK[0],
@@ -88,8 +96,9 @@ def plot_confusion_matrix(matrix: list[list[int]], label_names: list[str], out: 
 
     size = min(4 + 0.5 * len(label_names), 14)
     fig, ax = plt.subplots(figsize=(size, size))
-    ConfusionMatrixDisplay(np.asarray(matrix), display_labels=label_names).plot(ax=ax, colorbar=False,
-                                                                               xticks_rotation=45)
+    ConfusionMatrixDisplay(np.asarray(matrix), display_labels=label_names).plot(
+        ax=ax, colorbar=False, xticks_rotation=45
+    )
     ax.set_title("validation confusion matrix (rows: true label)")
     fig.tight_layout()
     fig.savefig(out, dpi=90)
@@ -106,8 +115,10 @@ def memory_lines(report: dict[str, Any] | None) -> list[str]:
         return ["No memory report was written for this run."]
     cuda, cpu = report.get("cuda") or {}, report.get("cpu") or {}
     where = "CUDA allocated" if cuda else "process RSS"
-    lines = [f"- peak during training: {_mib(report.get('run_peak_bytes'))} ({where}, the highest log interval; "
-             f"device {report.get('device')})"]  # fmt: skip
+    lines = [
+        f"- peak during training: {_mib(report.get('run_peak_bytes'))} ({where}, the highest log interval; "
+        f"device {report.get('device')})"
+    ]
     if cuda:
         lines.append(f"- peak CUDA reserved at the end of the run: {_mib(cuda.get('peak_reserved_bytes'))}")
     split = at_peak(report)
@@ -127,13 +138,23 @@ def _scores_table(final: dict[str, Any]) -> list[str]:
     for split, scores in (("validation", final), ("test", final.get("test") or {})):
         for m in _on_card(scores):
             ci = scores.get(f"{m.name}_ci")
-            rows.append(f"| {split} | {m.hub_name} | {scores[m.name]:.4f} | "
-                        + (f"{ci[0]:.4f} - {ci[1]:.4f} |" if ci else "- |"))  # fmt: skip
+            rows.append(
+                f"| {split} | {m.hub_name} | {scores[m.name]:.4f} | "
+                + (f"{ci[0]:.4f} - {ci[1]:.4f} |" if ci else "- |")
+            )
     return rows
 
 
-def model_card(cfg: Config, final: dict[str, Any], label_names: list[str], files: dict[str, Path],
-               sha256: dict[str, str], memory: dict[str, Any] | None, name: str, has_matrix: bool) -> ModelCard:
+def model_card(
+    cfg: Config,
+    final: dict[str, Any],
+    label_names: list[str],
+    files: dict[str, Path],
+    sha256: dict[str, str],
+    memory: dict[str, Any] | None,
+    name: str,
+    has_matrix: bool,
+) -> ModelCard:
     """README.md of final/: the metadata (`card_data`) as front matter, then the page.
 
     Raises:
@@ -153,32 +174,63 @@ def model_card(cfg: Config, final: dict[str, Any], label_names: list[str], files
     elif (gguf := gguf_origin(cfg.model.source)) is not None:
         start += f" (its weights read from the GGUF file `{gguf}` and dequantized: they carry that file's quantization)"
     body = [
-        f"# {name}", "",
+        f"# {name}",
+        "",
         f"A text classifier fine-tuned from {start} on {meta.datasets[0]} with "
         f"finetune (final/ holds the {final.get('exported', 'last')} weights, "
-        f"optimizer step {final.get('step')}).", "",
-        "```python", "from transformers import pipeline", "",
+        f"optimizer step {final.get('step')}).",
+        "",
+        "```python",
+        "from transformers import pipeline",
+        "",
         'classify = pipeline("text-classification", model="PATH_OR_HUB_ID", truncation=True)',
-        'print(classify("a fine film"))', "```", "",
-        "## Labels", "", f"Problem type: {PROBLEM_TYPES[cfg.model.problem_type].description}.", "", *labels, "",
-        "## Evaluation", "", "The numbers of eval.json for these weights (the model-index above holds the same).", "",
-        *_scores_table(final), "",
+        'print(classify("a fine film"))',
+        "```",
+        "",
+        "## Labels",
+        "",
+        f"Problem type: {PROBLEM_TYPES[cfg.model.problem_type].description}.",
+        "",
+        *labels,
+        "",
+        "## Evaluation",
+        "",
+        "The numbers of eval.json for these weights (the model-index above holds the same).",
+        "",
+        *_scores_table(final),
+        "",
         *([f"![confusion matrix]({CONFUSION_PNG})", ""] if has_matrix else []),
-        "## Data", "", *data, "",
-        "## Training", "",
+        "## Data",
+        "",
+        *data,
+        "",
+        "## Training",
+        "",
         f"- precision: `{cfg.precision.mode}`; optimizer `{cfg.train.optimizer}`, learning rate "
         f"{cfg.train.learning_rate:g}, {cfg.train.epochs:g} epoch(s), max length {cfg.data.max_length} tokens",
-        *memory_lines(memory), "",
-        "The resolved training config (`finetune train --config` reproduces the run with the same data):", "",
-        "```yaml", dump_config(cfg).rstrip(), "```", "",
-    ]  # fmt: skip
+        *memory_lines(memory),
+        "",
+        "The resolved training config (`finetune train --config` reproduces the run with the same data):",
+        "",
+        "```yaml",
+        dump_config(cfg).rstrip(),
+        "```",
+        "",
+    ]
     # ModelCard parses the front matter back into ModelCardData (the model-index into EvalResults) and
     # keeps the order of its keys when it writes the card
     return ModelCard(f"---\n{meta.to_yaml(original_order=KEY_ORDER)}\n---\n\n" + "\n".join(body))
 
 
-def write_model_card(out: Path, cfg: Config, final: dict[str, Any], label_names: list[str],
-                     files: dict[str, Path], sha256: dict[str, str], memory: dict[str, Any] | None) -> None:
+def write_model_card(
+    out: Path,
+    cfg: Config,
+    final: dict[str, Any],
+    label_names: list[str],
+    files: dict[str, Path],
+    sha256: dict[str, str],
+    memory: dict[str, Any] | None,
+) -> None:
     """final/README.md, and final/confusion_matrix.png when the validation has a confusion matrix (and
     `log.plots` is on)."""
     matrix = final.get("confusion_matrix") if cfg.log.plots else None
@@ -186,4 +238,3 @@ def write_model_card(out: Path, cfg: Config, final: dict[str, Any], label_names:
         plot_confusion_matrix(matrix, label_names, out / CONFUSION_PNG)
     name = Path(cfg.run.output_dir).resolve().name
     model_card(cfg, final, label_names, files, sha256, memory, name, bool(matrix)).save(out / "README.md")
-

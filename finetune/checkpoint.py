@@ -625,7 +625,6 @@ def check_output_dir(cfg: Config) -> Path:
     return out
 
 
-
 def remove_tree(path: Path) -> None:
     """Remove a directory tree if it exists."""
     if path.exists():

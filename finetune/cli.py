@@ -22,7 +22,7 @@ def _cmd_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="finetune plan",
         description="Predict the peak memory of a training step for a ladder of micro-batch sizes (fake tensors: "
-                    "nothing is allocated).",
+        "nothing is allocated).",
     )
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. precision.mode=bf16")
@@ -39,7 +39,8 @@ def _cmd_plan(argv: list[str]) -> int:
         "--num-processes", type=int, default=1, help="processes sharing the effective batch (default 1)"
     )
     parser.add_argument(
-        "--fsdp", action="store_true",
+        "--fsdp",
+        action="store_true",
         help="plan one FSDP rank: parameters, gradients and optimizer state sharded over --num-processes",
     )
     parser.add_argument(
@@ -81,8 +82,9 @@ def _cmd_plan(argv: list[str]) -> int:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # the model is built once per ladder row
-    p = plan(cfg, args.device, args.budget_gb, args.micro, args.num_processes,
-             shards=args.num_processes if args.fsdp else 1)
+    p = plan(
+        cfg, args.device, args.budget_gb, args.micro, args.num_processes, shards=args.num_processes if args.fsdp else 1
+    )
     print(plan_json(p) if args.json else format_plan(p, cfg))
     return 0
 
@@ -132,8 +134,11 @@ def _cmd_predict(argv: list[str]) -> int:
     parser.add_argument("--input", required=True, help=".txt (one text per line), .csv/.tsv with a header, or .jsonl")
     parser.add_argument("--output", required=True, help=".jsonl or .csv")
     parser.add_argument("--text-column", default="text")
-    parser.add_argument("--pair-column", default=None,
-                        help="second text of each pair (default: a text_pair column/key when the input has one)")
+    parser.add_argument(
+        "--pair-column",
+        default=None,
+        help="second text of each pair (default: a text_pair column/key when the input has one)",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
     if args.batch_size < 1:
@@ -187,8 +192,9 @@ def _cmd_evaluate(argv: list[str]) -> int:
         y_true = np.asarray(raw.targets(ds))
         per_label = [thresholds[n] for n in names] if thresholds else [0.5] * len(names)
         result[split] = compute_metrics(kind, y_true, logits, names, per_label)
-        result[split] |= bootstrap_ci(kind, y_true, logits, len(names), per_label, cfg.train.bootstrap_resamples,
-                                      cfg.run.seed)  # fmt: skip
+        result[split] |= bootstrap_ci(
+            kind, y_true, logits, len(names), per_label, cfg.train.bootstrap_resamples, cfg.run.seed
+        )
     if not result:
         raise UserError(f"{args.config} has no validation or test data to evaluate on")
     print(json.dumps(result, indent=2))
@@ -202,8 +208,13 @@ def _cmd_report(argv: list[str]) -> int:
     )
     parser.add_argument("run_dir", help="a run directory (run.output_dir)")
     parser.add_argument("--plots", action="store_true", help="write curves.png and memory.png of the run again")
-    parser.add_argument("--errors", type=int, metavar="N", default=None,
-                        help="print the N most confident mistakes of final/'s weights (from predictions.jsonl)")
+    parser.add_argument(
+        "--errors",
+        type=int,
+        metavar="N",
+        default=None,
+        help="print the N most confident mistakes of final/'s weights (from predictions.jsonl)",
+    )
     parser.add_argument("--split", choices=["validation", "test"], default=None, help="with --errors: one split only")
     args = parser.parse_args(argv)
     from finetune.memory import latest_report, plot_memory, report_table
@@ -248,8 +259,11 @@ def _cmd_init(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="finetune init", description="Write a commented config for a data file or folder that trains as it is."
     )
-    parser.add_argument("data", help="a csv/tsv/jsonl/json/parquet file, a folder of train/dev/test files, or a "
-                                     "folder with one sub-folder per label")  # fmt: skip
+    parser.add_argument(
+        "data",
+        help="a csv/tsv/jsonl/json/parquet file, a folder of train/dev/test files, or a "
+        "folder with one sub-folder per label",
+    )
     parser.add_argument("-o", "--output", default=None, help="the config to write (default: <data name>.yaml)")
     parser.add_argument("--model", default="minilm-l6", help="model directory, alias or hub id (default minilm-l6)")
     parser.add_argument("--force", action="store_true", help="replace an existing output file")
@@ -290,7 +304,7 @@ def _cmd_export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="finetune export",
         description="Export a run's final/ to ONNX (dynamic batch and sequence axes), checked with ONNX Runtime "
-                    "against PyTorch; OUT_DIR holds model.onnx, config and tokenizer.",
+        "against PyTorch; OUT_DIR holds model.onnx, config and tokenizer.",
     )
     parser.add_argument("--onnx", action="store_true", help="export to ONNX (the one format for now)")
     parser.add_argument("final_dir", help="a run's final/ directory")
@@ -303,9 +317,12 @@ def _cmd_export(argv: list[str]) -> int:
     from finetune.export import export_onnx
 
     check = export_onnx(Path(args.final_dir), Path(args.out_dir), args.force, atol=args.atol)
-    print(f"wrote {args.out_dir}/model.onnx (inputs {', '.join(check['inputs'])}; batch and sequence dynamic); "
-          f"ONNX Runtime vs PyTorch: max |logit difference| {check['max_abs_diff']:.2e} over "
-          f"{len(check['checks'])} batches (tolerance {check['tolerance']:g})", file=sys.stderr)
+    print(
+        f"wrote {args.out_dir}/model.onnx (inputs {', '.join(check['inputs'])}; batch and sequence dynamic); "
+        f"ONNX Runtime vs PyTorch: max |logit difference| {check['max_abs_diff']:.2e} over "
+        f"{len(check['checks'])} batches (tolerance {check['tolerance']:g})",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -313,14 +330,17 @@ def _cmd_sweep(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="finetune sweep",
         description="Search hyper-parameters with Optuna (TPE, median pruning): each trial is a run in "
-                    "<run.output_dir>/trial-NNN, the study in <run.output_dir>/study.db, the best config in best.yaml.",
+        "<run.output_dir>/trial-NNN, the study in <run.output_dir>/study.db, the best config in best.yaml.",
     )
     parser.add_argument("--config", required=True, help="YAML config file (its sweep: section is the search space)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. data.max_train_samples=2000")
     parser.add_argument("--trials", type=int, required=True, help="trials to run now (added to the study)")
-    parser.add_argument("--storage", default=None,
-                        help="Optuna storage URL (default sqlite:///<run.output_dir>/study.db); a shared RDB URL "
-                             "lets several machines work on one study")  # fmt: skip
+    parser.add_argument(
+        "--storage",
+        default=None,
+        help="Optuna storage URL (default sqlite:///<run.output_dir>/study.db); a shared RDB URL "
+        "lets several machines work on one study",
+    )
     parser.add_argument("--study-name", default=None, help="study name in the storage (default: run.output_dir's name)")
     parser.add_argument("--timeout", type=float, default=None, help="start no trial after this many seconds")
     args = parser.parse_args(argv)
@@ -335,8 +355,11 @@ def _cmd_sweep(argv: list[str]) -> int:
     try:
         run_sweep(load_config(args.config, args.overrides), args.trials, args.storage, args.study_name, args.timeout)
     except Preempted as exc:  # the trial in progress is recorded as failed; finished trials stay in the study
-        print(f"{exc.signal_name}: the sweep stopped in a trial at step {exc.step} (checkpoint {exc.checkpoint}); "
-              "run the same command again to add trials to the study", file=sys.stderr)
+        print(
+            f"{exc.signal_name}: the sweep stopped in a trial at step {exc.step} (checkpoint {exc.checkpoint}); "
+            "run the same command again to add trials to the study",
+            file=sys.stderr,
+        )
         return exc.exit_code
     return 0
 

@@ -599,8 +599,12 @@ def _settable(key: str) -> Any:
 
 
 def _settable_keys() -> list[str]:
-    return [f"{s}.{f}" for s, h in Config.model_fields.items() if s not in ("run", "sweep")
-            for f in _section_class(h.annotation).model_fields]  # fmt: skip
+    return [
+        f"{s}.{f}"
+        for s, h in Config.model_fields.items()
+        if s not in ("run", "sweep")
+        for f in _section_class(h.annotation).model_fields
+    ]
 
 
 class Config(_Section):
@@ -700,8 +704,10 @@ class Config(_Section):
             # quantized blocks are frozen 4/8-bit weights: a fresh draw could never train
             raise ValueError("train.reinit_top_layers needs trainable blocks; model.quantization freezes them")
         if self.train.reinit_top_layers and self.model.name_or_path is None:
-            raise ValueError("train.reinit_top_layers re-draws layers of a pretrained model; model.architecture "
-                             "builds every layer fresh already")
+            raise ValueError(
+                "train.reinit_top_layers re-draws layers of a pretrained model; model.architecture "
+                "builds every layer fresh already"
+            )
         return self
 
     def resolved_path(self, path: str | None) -> Path | None:

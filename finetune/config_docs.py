@@ -29,17 +29,25 @@ def _type_name(a: Any) -> str:
 def schema_markdown() -> str:
     """docs/CONFIG.md: every section and key with its type, default and description."""
     lines = [
-        "# Configuration reference", "",
+        "# Configuration reference",
+        "",
         "Generated from `finetune/config.py` (`finetune config --markdown`); a test fails when it is stale.",
         "Every key can be set in the YAML file or as a dotted override (`train.learning_rate=3e-5`).",
         "Resuming from a checkpoint refuses a changed value of any key not marked *may change on resume*",
-        "(docs/RESUME.md).", "",
-    ]  # fmt: skip
+        "(docs/RESUME.md).",
+        "",
+    ]
     may_change = keys_that_may_change_on_resume()
     for section, field in Config.model_fields.items():
         model = next(a for a in (field.annotation, *getattr(field.annotation, "__args__", ())) if isinstance(a, type))
-        lines += [f"## `{section}`", "", (model.__doc__ or "").strip(), "", "| key | type | default | description |",
-                  "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"## `{section}`",
+            "",
+            (model.__doc__ or "").strip(),
+            "",
+            "| key | type | default | description |",
+            "|---|---|---|---|",
+        ]
         for name, f in model.model_fields.items():
             default = "required" if f.is_required() else json.dumps(f.default if f.default_factory is None else None)
             # the schema's resume declaration, so the reference says which keys a resumed run may change
@@ -47,8 +55,10 @@ def schema_markdown() -> str:
             lines.append(f"| `{section}.{name}` | {_type_name(f.annotation)} | {default} | {f.description}{resume} |")
             nested = {"lora": LoraConfig, "space": SweepRange}.get(name)  # sub-keys (of each entry, for space)
             for sub, g in nested.model_fields.items() if nested is not None else []:
-                lines.append(f"| `{section}.{name}.{sub}` | {_type_name(g.annotation)} | {json.dumps(g.default)} | "
-                             f"{g.description or ''} |")  # fmt: skip
+                lines.append(
+                    f"| `{section}.{name}.{sub}` | {_type_name(g.annotation)} | {json.dumps(g.default)} | "
+                    f"{g.description or ''} |"
+                )
         lines.append("")
     return "\n".join(lines)
 

@@ -85,7 +85,6 @@ def parse_yaml12(text: str, source: str = "<string>") -> Any:
         raise UserError(f"{source} is not valid YAML{where}: {problem}") from None
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Loading, overrides and error reporting.
 
@@ -247,8 +246,6 @@ class _Yaml12SafeDumper(yaml.SafeDumper):
 def dump_config(cfg: Config) -> str:
     """The resolved config as YAML (what `config.yaml` in a run directory holds); reloads to the same Config."""
     return yaml.dump(cfg.model_dump(mode="json"), Dumper=_Yaml12SafeDumper, sort_keys=False)
-
-
 
 
 def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:

@@ -88,10 +88,15 @@ def encode_texts(
     if w.chunk_stride is not None:
         room = w.max_length - tokenizer.num_special_tokens_to_add(pair=False)
         if w.chunk_stride >= room:
-            raise UserError(f"data.chunk_stride={w.chunk_stride} must be smaller than data.max_length minus the "
-                            f"special tokens ({room})")  # fmt: skip
-        enc = dict(tokenizer(texts, truncation=True, max_length=w.max_length, stride=w.chunk_stride,
-                             return_overflowing_tokens=True))  # fmt: skip
+            raise UserError(
+                f"data.chunk_stride={w.chunk_stride} must be smaller than data.max_length minus the "
+                f"special tokens ({room})"
+            )
+        enc = dict(
+            tokenizer(
+                texts, truncation=True, max_length=w.max_length, stride=w.chunk_stride, return_overflowing_tokens=True
+            )
+        )
         docs = list(enc.pop("overflow_to_sample_mapping"))
     elif w.truncation in ("tail", "head_tail"):
         prefix, suffix = _special_layout(tokenizer)
@@ -151,12 +156,16 @@ def sample_weights(
             inverse = [1.0 / counts[c] if counts[c] else 0.0 for c in range(len(label_names))]
             mean = sum(inverse) / sum(1 for x in inverse if x)
             per_class = [x / mean for x in inverse]
-            logger.info("class weights (auto): " + ", ".join(
-                f"{n} {w:.3g}" for n, w in zip(label_names, per_class, strict=True)))  # fmt: skip
+            logger.info(
+                "class weights (auto): "
+                + ", ".join(f"{n} {w:.3g}" for n, w in zip(label_names, per_class, strict=True))
+            )
         else:
             if len(class_weights) != len(label_names):
-                raise UserError(f"train.class_weights has {len(class_weights)} weights for {len(label_names)} labels "
-                                f"{label_names} (label-id order)")  # fmt: skip
+                raise UserError(
+                    f"train.class_weights has {len(class_weights)} weights for {len(label_names)} labels "
+                    f"{label_names} (label-id order)"
+                )
             per_class = list(class_weights)
         weights = [w * per_class[y] for w, y in zip(weights, labels, strict=True)]
     return None if all(w == 1.0 for w in weights) else weights
@@ -166,8 +175,14 @@ def _label_summary(raw: RawSplits, ds: datasets.Dataset) -> dict[str, Any]:
     """Per-label counts (positives per label for multi-label), or the score distribution (regression)."""
     if raw.problem_type == REGRESSION:
         t = torch.tensor(ds["label"][:], dtype=torch.float64)
-        return {"score_stats": {"min": float(t.min()), "max": float(t.max()), "mean": float(t.mean()),
-                                "std": float(t.std()) if len(t) > 1 else 0.0}}  # fmt: skip
+        return {
+            "score_stats": {
+                "min": float(t.min()),
+                "max": float(t.max()),
+                "mean": float(t.mean()),
+                "std": float(t.std()) if len(t) > 1 else 0.0,
+            }
+        }
     labels = ds["label"][:]
     rows = labels if raw.problem_type == MULTI else [[v] for v in labels]
     counts = Counter(raw.raw_to_name[v] for row in rows for v in set(row))
@@ -264,8 +279,14 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
     """
     raw = load_raw_splits(cfg)
     if raw.validation is None:
-        needs = [k for k, v in (("train.eval_every_steps", cfg.train.eval_every_steps),
-                                ("train.early_stopping_patience", cfg.train.early_stopping_patience)) if v]
+        needs = [
+            k
+            for k, v in (
+                ("train.eval_every_steps", cfg.train.eval_every_steps),
+                ("train.early_stopping_patience", cfg.train.early_stopping_patience),
+            )
+            if v
+        ]
         if needs:
             raise UserError(
                 f"{' and '.join(needs)} need validation data: set data.validation_file or data.validation_split, "
@@ -284,11 +305,17 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
     sha = {split: file_sha256(p) for split, p in raw.files.items()}
     held_out = {n: ds for n, ds in (("validation", raw.validation), ("test", raw.test)) if ds is not None}
     return Data(
-        tok["train"], tok.get("validation"), tok.get("test"), raw.label_names, report, raw.files, sha, raw.problem_type,
+        tok["train"],
+        tok.get("validation"),
+        tok.get("test"),
+        raw.label_names,
+        report,
+        raw.files,
+        sha,
+        raw.problem_type,
         texts={n: ds["text"][:] for n, ds in held_out.items()},
         pairs={n: ds["text_pair"][:] for n, ds in held_out.items() if "text_pair" in ds.column_names},
     )
-
 
 
 # ----------------------------------------------------------------------------------------------

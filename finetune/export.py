@@ -37,7 +37,7 @@ CHECK_TEXTS = [
 
 def check_out_dir(out: Path, force: bool) -> None:
     """Raises:
-        UserError: OUT_DIR exists (and is not empty) without --force, or is a file.
+    UserError: OUT_DIR exists (and is not empty) without --force, or is a file.
     """
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file, not an output directory")
@@ -58,8 +58,10 @@ def import_onnx() -> Any:
         except ImportError:
             missing.append(name)
     if missing:
-        raise UserError(f"finetune export --onnx needs {', '.join(missing)}: pip install onnx onnxscript onnxruntime "
-                        "(requirements.txt pins them)")
+        raise UserError(
+            f"finetune export --onnx needs {', '.join(missing)}: pip install onnx onnxscript onnxruntime "
+            "(requirements.txt pins them)"
+        )
     import onnxruntime
 
     return onnxruntime
@@ -107,13 +109,19 @@ def compare(directory: Path, model: Any, names: list[str], texts: list[str]) -> 
         onnx_logits = session.run(["logits"], {k: enc[k].astype(np.int64) for k in graph_inputs})[0]
         with torch.no_grad():
             torch_logits = model(**{k: torch.from_numpy(enc[k]) for k in names}).logits.float().numpy()
-        rows.append({"batch": len(batch), "tokens": int(enc["input_ids"].shape[1]),
-                     "max_abs_diff": float(np.abs(onnx_logits - torch_logits).max())})  # fmt: skip
+        rows.append(
+            {
+                "batch": len(batch),
+                "tokens": int(enc["input_ids"].shape[1]),
+                "max_abs_diff": float(np.abs(onnx_logits - torch_logits).max()),
+            }
+        )
     return {"inputs": graph_inputs, "checks": rows, "max_abs_diff": max(r["max_abs_diff"] for r in rows)}
 
 
-def export_onnx(final: Path, out: Path, force: bool = False, texts: list[str] | None = None,
-                atol: float = 1e-4) -> dict[str, Any]:
+def export_onnx(
+    final: Path, out: Path, force: bool = False, texts: list[str] | None = None, atol: float = 1e-4
+) -> dict[str, Any]:
     """Export final/ to OUT_DIR as ONNX, checked against PyTorch; returns the check (onnx_check.json).
 
     Raises:
@@ -137,8 +145,10 @@ def export_onnx(final: Path, out: Path, force: bool = False, texts: list[str] | 
     (tmp / CHECK_FILE).write_text(json.dumps(check, indent=2))
     if check["max_abs_diff"] > atol:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"ONNX Runtime's logits differ from PyTorch's by {check['max_abs_diff']:.2e} (> {atol:g}) "
-                        f"on {final}: nothing written")
+        raise UserError(
+            f"ONNX Runtime's logits differ from PyTorch's by {check['max_abs_diff']:.2e} (> {atol:g}) "
+            f"on {final}: nothing written"
+        )
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

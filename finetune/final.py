@@ -23,16 +23,23 @@ from finetune.errors import UserError
 from finetune.model import exportable, is_quantized, merge_adapter, quiet_peft_deprecation, unquantized_base
 
 # a tokenizer's vocabulary: tokenizer.json (fast, what export_final writes) or a slow tokenizer's own file
-VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model",
-               "sentencepiece.bpe.model")
+VOCAB_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def _check_json(path: Path) -> None:
     try:
         json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path} is corrupt or truncated (not valid JSON: {exc}); export the run again or copy "
-                        "final/ anew") from None
+        raise UserError(
+            f"{path} is corrupt or truncated (not valid JSON: {exc}); export the run again or copy final/ anew"
+        ) from None
 
 
 def _weight_files(final: Path) -> list[Path]:
@@ -60,14 +67,18 @@ def check_final(final: Path) -> None:
         raise UserError(f"{final} is not an exported model directory: it {what} (give a run's final/ directory)")
     weights = _weight_files(final)
     if not (final / "config.json").is_file() and not any(w.is_file() for w in weights):
-        raise UserError(f"{final} is not an exported model directory (final/ holds config.json, model.safetensors "
-                        "and the tokenizer)")
+        raise UserError(
+            f"{final} is not an exported model directory (final/ holds config.json, model.safetensors "
+            "and the tokenizer)"
+        )
     vocab = next((final / v for v in VOCAB_FILES if (final / v).is_file()), None)
     for need in [final / "config.json", *weights, final / "tokenizer_config.json", vocab or final / VOCAB_FILES[0]]:
         if not need.is_file():
-            raise UserError(f"{need} is missing: {final} is incomplete (an exported model directory holds "
-                            "config.json, model.safetensors and its tokenizer); export the run again or copy final/ "
-                            "anew")
+            raise UserError(
+                f"{need} is missing: {final} is incomplete (an exported model directory holds "
+                "config.json, model.safetensors and its tokenizer); export the run again or copy final/ "
+                "anew"
+            )
     for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
         if (final / name).is_file():
             _check_json(final / name)
@@ -78,8 +89,9 @@ def check_final(final: Path) -> None:
             with safe_open(str(w), framework="pt"):
                 pass
         except (SafetensorError, OSError) as exc:
-            raise UserError(f"{w} is corrupt or truncated ({str(exc).splitlines()[0]}); export the run again or "
-                            "copy final/ anew") from None
+            raise UserError(
+                f"{w} is corrupt or truncated ({str(exc).splitlines()[0]}); export the run again or copy final/ anew"
+            ) from None
 
 
 def load_final(final: Path) -> tuple[Any, Any]:
@@ -190,8 +202,7 @@ def save_adapter(peft_model: Any, state_dict: dict[str, Any], out: Path) -> None
     transformers.utils.logging.disable_progress_bar()
     try:
         with quiet_peft_deprecation():
-            peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True,
-                                       save_embedding_layers=False)
+            peft_model.save_pretrained(out, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()

@@ -143,8 +143,14 @@ def _memtracker(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any
     return mt
 
 
-RANK_KEYS = ("peak_bytes", "parameters_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes",
-             "temporaries_bytes")
+RANK_KEYS = (
+    "peak_bytes",
+    "parameters_bytes",
+    "gradients_bytes",
+    "optimizer_state_bytes",
+    "activations_bytes",
+    "temporaries_bytes",
+)
 
 
 def every_rank(rep: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -232,8 +238,9 @@ class MemoryMonitor:
         against 1,379 MiB on the default model, docs/MEMORY.md), and again on `heaviest_step`'s window,
         whose longer rows may peak higher.
         """
-        again = bool(self.sample and "peak" in self.sample and step + 1 == self.heaviest_step
-                     and self.sample["step"] != step + 1)  # fmt: skip
+        again = bool(
+            self.sample and "peak" in self.sample and step + 1 == self.heaviest_step and self.sample["step"] != step + 1
+        )
         if (self.sample is not None and not again) or self._tracker is not None or step < 1:
             return
         if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()):
@@ -333,7 +340,7 @@ class MemoryMonitor:
                 temporaries_bytes=peak.get("Temp", 0),
                 peak_bytes=peak.get("Total", sum(peak.values())),
                 breakdown_method=f"MemTracker on optimizer step {sample['step']} (a whole accumulation window and the "
-                                 "optimizer step)",
+                "optimizer step)",
                 memtracker_peak=peak,
                 sampled_batches=sample.get("batches"),
                 other_sample=sample.get("other"),
@@ -360,7 +367,7 @@ class MemoryMonitor:
                     temporaries_bytes=0,
                     peak_bytes=peak_alloc,
                     breakdown_method="measured CUDA peak allocated minus parameters, gradients and optimizer state "
-                                     "(activations include temporaries)",
+                    "(activations include temporaries)",
                 )
         if "error" in sample:
             rep["breakdown_method"] += f"; MemTracker failed: {sample['error']}"
@@ -426,8 +433,12 @@ def at_peak(rep: dict[str, Any]) -> dict[str, int] | None:
 def format_markdown(rep: dict[str, Any]) -> str:
     """memory.md: the report as a table, with its method and configuration."""
     split = at_peak(rep) or {}
-    lines = [f"# Memory at step {rep['step']} ({rep['device']})", "",
-             "| what | MiB | bytes | MiB at the peak |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"# Memory at step {rep['step']} ({rep['device']})",
+        "",
+        "| what | MiB | bytes | MiB at the peak |",
+        "|---|---:|---:|---:|",
+    ]
     for key in (
         "parameters_bytes",
         "buffers_bytes",
@@ -443,16 +454,26 @@ def format_markdown(rep: dict[str, Any]) -> str:
             f"| {name} | {_mib(rep.get(key))} | {rep.get(key) if rep.get(key) is not None else '-'} | "
             f"{_mib(there) if name != 'buffers' else '(in parameters)'} |"
         )
-    lines += ["", f"Breakdown at the peak: {rep['breakdown_method']}. The last column sums to the peak; its "
-              "gradients are those alive at that moment.",
-              f"Gradients in the MiB and bytes columns: {rep['gradients_source']}.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Breakdown at the peak: {rep['breakdown_method']}. The last column sums to the peak; its "
+        "gradients are those alive at that moment.",
+        f"Gradients in the MiB and bytes columns: {rep['gradients_source']}.",
+        "",
+    ]
     if rep.get("sampled_batches"):
         shapes = ", ".join(" x ".join(map(str, b)) for b in rep["sampled_batches"])
         other = rep.get("other_sample")
-        lines += [f"The sampled window's micro-batches (rows x tokens): {shapes}. Batches are padded per batch, so "
-                  "a window of longer rows peaks higher: `finetune plan` gives the worst case at data.max_length."
-                  + (f" The other window sampled, step {other['step']}, peaked at {_mib(other['peak_bytes'])} MiB."
-                     if other else ""), ""]
+        lines += [
+            f"The sampled window's micro-batches (rows x tokens): {shapes}. Batches are padded per batch, so "
+            "a window of longer rows peaks higher: `finetune plan` gives the worst case at data.max_length."
+            + (
+                f" The other window sampled, step {other['step']}, peaked at {_mib(other['peak_bytes'])} MiB."
+                if other
+                else ""
+            ),
+            "",
+        ]
     cpu = rep.get("cpu") or {}
     if cpu.get("peak_rss_bytes"):
         lines.append(
@@ -518,8 +539,14 @@ def _breakdown_bar(ax: Any, report: dict[str, Any] | None) -> None:
     if planned and sources:
         sources["planned"] = [planned.get(k, 0) for k in AT_PEAK]
     if not sources:
-        ax.text(0.5, 0.5, "no breakdown: no optimizer window\nwas sampled (a run of one step?)",
-                ha="center", va="center", transform=ax.transAxes)  # fmt: skip
+        ax.text(
+            0.5,
+            0.5,
+            "no breakdown: no optimizer window\nwas sampled (a run of one step?)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set_axis_off()
         return
     bottoms = [0.0] * len(sources)
@@ -583,8 +610,16 @@ def report_table(run_dir: Path) -> str:
         )
         method = r["breakdown_method"].split(" (")[0]
         split = at_peak(r) or {}
-        rows.append([str(r["step"]), _mib(r.get("peak_bytes")), *(_mib(split.get(k)) for k in AT_PEAK),
-                     _mib(r.get("gradients_bytes")), device_peak, method])  # fmt: skip
+        rows.append(
+            [
+                str(r["step"]),
+                _mib(r.get("peak_bytes")),
+                *(_mib(split.get(k)) for k in AT_PEAK),
+                _mib(r.get("gradients_bytes")),
+                device_peak,
+                method,
+            ]
+        )
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
 
     def fmt(cells: list[str]) -> str:
@@ -599,6 +634,8 @@ def report_table(run_dir: Path) -> str:
         fmt(["-" * w for w in widths]),
     ]
     lines += [fmt(r) for r in rows]
-    lines.append("params to temps split the peak (they sum to it; grads are those alive then); all grads: every "
-                 ".grad tensor at the optimizer step")
+    lines.append(
+        "params to temps split the peak (they sum to it; grads are those alive then); all grads: every "
+        ".grad tensor at the optimizer step"
+    )
     return "\n".join(lines)

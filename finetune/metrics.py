@@ -80,8 +80,13 @@ def multilabel_metrics(
         "subset_accuracy": float(accuracy_score(y_true, pred)),
         "micro_f1_at_0.5": float(f1_score(y_true, probs >= 0.5, average="micro", zero_division=0)),
         "per_label": {
-            name: {"precision": float(p[i]), "recall": float(r[i]), "f1": float(f[i]), "support": int(s[i]),
-                   "threshold": thresholds[i]}  # fmt: skip
+            name: {
+                "precision": float(p[i]),
+                "recall": float(r[i]),
+                "f1": float(f[i]),
+                "support": int(s[i]),
+                "threshold": thresholds[i],
+            }
             for i, name in enumerate(label_names)
         },
         "thresholds": list(thresholds),
@@ -136,14 +141,20 @@ def headline_metrics(
     it a thousand times."""
     if problem_type == REGRESSION:
         pred, gold = logits[:, 0].astype(np.float64), y_true.astype(np.float64)
-        return {"pearson": _correlation(pearsonr, pred, gold), "spearman": _correlation(spearmanr, pred, gold),
-                "mse": float(np.mean((pred - gold) ** 2))}  # fmt: skip
+        return {
+            "pearson": _correlation(pearsonr, pred, gold),
+            "spearman": _correlation(spearmanr, pred, gold),
+            "mse": float(np.mean((pred - gold) ** 2)),
+        }
     if problem_type == MULTI:
         pred = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) >= np.asarray(thresholds or [0.5] * num_labels)
         gold = y_true.astype(bool)
         tp, fp, fn = (pred & gold).sum(0), (pred & ~gold).sum(0), (~pred & gold).sum(0)
-        return {"micro_f1": float(_f1(tp.sum(), fp.sum(), fn.sum())), "macro_f1": float(_f1(tp, fp, fn).mean()),
-                "subset_accuracy": float(np.mean((pred == gold).all(1)))}  # fmt: skip
+        return {
+            "micro_f1": float(_f1(tp.sum(), fp.sum(), fn.sum())),
+            "macro_f1": float(_f1(tp, fp, fn).mean()),
+            "subset_accuracy": float(np.mean((pred == gold).all(1))),
+        }
     pred = logits.argmax(-1)
     counts = np.bincount(y_true.astype(np.int64) * num_labels + pred, minlength=num_labels**2)
     confusion = counts.reshape(num_labels, num_labels)  # rows: gold, columns: predicted
@@ -186,6 +197,7 @@ def bootstrap_ci(
 def headline(metrics: dict[str, Any]) -> str:
     """`accuracy 0.8712, macro_f1 0.8701` from whatever headline metrics the dict has (with their
     bootstrap intervals where the dict has them)."""
+
     def one(key: str) -> str:
         ci = metrics.get(f"{key}_ci")
         return f"{key} {metrics[key]:.4f}" + (f" [95% CI {ci[0]:.4f}-{ci[1]:.4f}]" if ci else "")
@@ -249,8 +261,10 @@ def batch_logits(
         except torch.OutOfMemoryError as exc:
             current = rows or n
             if not alone:  # with several processes every rank must run the same forwards
-                raise UserError(f"out of memory in evaluation on one of several processes "
-                                f"({str(exc).strip().splitlines()[0]}); lower train.micro_batch_size") from None
+                raise UserError(
+                    f"out of memory in evaluation on one of several processes "
+                    f"({str(exc).strip().splitlines()[0]}); lower train.micro_batch_size"
+                ) from None
             if current == 1:
                 raise UserError(
                     f"out of memory in evaluation at one row per forward ({str(exc).strip().splitlines()[0]}); "
@@ -349,13 +363,18 @@ def prediction_rows(
         elif problem_type == MULTI:
             probs = torch.sigmoid(logits[i]).tolist()
             cut = thresholds or [0.5] * len(label_names)
-            row |= {"gold": [n for n, y in zip(label_names, labels[i].tolist(), strict=True) if y >= 0.5],
-                    "prediction": [n for n, q, t in zip(label_names, probs, cut, strict=True) if q >= t],
-                    "probabilities": dict(zip(label_names, probs, strict=True))}  # fmt: skip
+            row |= {
+                "gold": [n for n, y in zip(label_names, labels[i].tolist(), strict=True) if y >= 0.5],
+                "prediction": [n for n, q, t in zip(label_names, probs, cut, strict=True) if q >= t],
+                "probabilities": dict(zip(label_names, probs, strict=True)),
+            }
         else:
             probs = torch.softmax(logits[i], -1).tolist()
-            row |= {"gold": label_names[int(labels[i])], "prediction": label_names[int(logits[i].argmax())],
-                    "probabilities": dict(zip(label_names, probs, strict=True))}  # fmt: skip
+            row |= {
+                "gold": label_names[int(labels[i])],
+                "prediction": label_names[int(logits[i].argmax())],
+                "probabilities": dict(zip(label_names, probs, strict=True)),
+            }
         rows.append(row | {"loss": losses[i]})
     return rows
 
@@ -386,8 +405,10 @@ def format_mistakes(rows: list[dict[str, Any]], width: int = 100) -> str:
         text = r["text"] + (f" || {r['text_pair']}" if "text_pair" in r else "")
         text = text if len(text) <= width else text[: width - 3] + "..."
         confidence = f"p={r['probabilities'][r['prediction']]:.3f} " if isinstance(r["prediction"], str) else ""
-        lines.append(f"{r['split']}#{r['id']} {confidence}loss={r['loss']:.3f} gold={show(r['gold'])} "
-                     f"predicted={show(r['prediction'])}: {text}")  # fmt: skip
+        lines.append(
+            f"{r['split']}#{r['id']} {confidence}loss={r['loss']:.3f} gold={show(r['gold'])} "
+            f"predicted={show(r['prediction'])}: {text}"
+        )
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ huggingface_hub.utils.logging.set_verbosity_error()
 # peft imports bitsandbytes when installed, whose CPU backend warns about an optional kernel package
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
+
 def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
     path = resolve_model_path(name)
     try:
@@ -162,8 +163,12 @@ def build_model(
     id2label = {i: n for i, n in enumerate(label_names)}
     label2id = {n: i for i, n in enumerate(label_names)}
     m = cfg.model
-    labels = {"num_labels": len(label_names), "id2label": id2label, "label2id": label2id,
-              "problem_type": m.problem_type}
+    labels = {
+        "num_labels": len(label_names),
+        "id2label": id2label,
+        "label2id": label2id,
+        "problem_type": m.problem_type,
+    }
     if empty:
         model = empty_model(cfg, labels, tokenizer)
     elif m.architecture is not None:
@@ -213,8 +218,17 @@ def build_model(
 
 # Families whose learned positions start after the pad id (RoBERTa's `padding_idx + 1` offset): a table of
 # 514 rows holds 512 positions
-PADDED_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "longformer",
-                    "roberta-prelayernorm", "ibert", "mpnet"}  # fmt: skip
+PADDED_POSITIONS = {
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "camembert",
+    "data2vec-text",
+    "longformer",
+    "roberta-prelayernorm",
+    "ibert",
+    "mpnet",
+}
 
 
 def position_limit(config: Any) -> int | None:
@@ -300,8 +314,7 @@ def empty_model(cfg: Config, labels: dict[str, Any], tokenizer: Any) -> PreTrain
         config = architecture_config(arch, tokenizer, labels)
     else:
         assert m.source is not None
-        config = _from_pretrained(AutoConfig, m.source, "model config", trust_remote_code=m.trust_remote_code,
-                                  **labels)  # fmt: skip
+        config = _from_pretrained(AutoConfig, m.source, "model config", trust_remote_code=m.trust_remote_code, **labels)
     with init_empty_weights(include_buffers=False):
         return AutoModelForSequenceClassification.from_config(config, trust_remote_code=m.trust_remote_code)
 
@@ -339,9 +352,12 @@ def quantization_config(kind: str, skip: list[str]) -> Any:
 
     if kind == "4bit":
         return BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=skip,
-        )  # fmt: skip
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            llm_int8_skip_modules=skip,
+        )
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
 
 
@@ -408,10 +424,16 @@ def _load_quantized(
         warnings.filterwarnings("ignore", message=".*cast from torch.float32.*")
         try:
             model = _from_pretrained(
-                AutoModelForSequenceClassification, path, "model", **labels, ignore_mismatched_sizes=True,
-                trust_remote_code=remote, dtype=torch.float32, quantization_config=quantization_config(kind, skip),
+                AutoModelForSequenceClassification,
+                path,
+                "model",
+                **labels,
+                ignore_mismatched_sizes=True,
+                trust_remote_code=remote,
+                dtype=torch.float32,
+                quantization_config=quantization_config(kind, skip),
                 device_map={"": quantized_device()},
-            )  # fmt: skip
+            )
         except (RuntimeError, NotImplementedError, ImportError) as exc:
             first = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UserError(f"{what}: bitsandbytes cannot quantize this model here ({first})") from None
@@ -464,8 +486,11 @@ def check_quantized_autocast(cfg: Config) -> None:
 def is_quantized(model: torch.nn.Module) -> bool:
     """The classifier inside `model` (peft, DDP wrappers) has bitsandbytes-quantized weights."""
     hf = classifier_of(model)
-    return bool(getattr(hf, "is_loaded_in_4bit", False) or getattr(hf, "is_loaded_in_8bit", False)
-                or getattr(hf.config, "quantization_config", None))  # fmt: skip
+    return bool(
+        getattr(hf, "is_loaded_in_4bit", False)
+        or getattr(hf, "is_loaded_in_8bit", False)
+        or getattr(hf.config, "quantization_config", None)
+    )
 
 
 def unquantized_base(model: torch.nn.Module, tokenizer: Any) -> PreTrainedModel:
@@ -480,10 +505,17 @@ def unquantized_base(model: torch.nn.Module, tokenizer: Any) -> PreTrainedModel:
     bf16_true = hf.get_input_embeddings().weight.dtype == torch.bfloat16
     c = hf.config
     base = _from_pretrained(
-        AutoModelForSequenceClassification, hf.finetune_base_source, "model", num_labels=c.num_labels,
-        id2label=c.id2label, label2id=c.label2id, problem_type=c.problem_type, ignore_mismatched_sizes=True,
-        trust_remote_code=getattr(hf, "finetune_trust_remote_code", False), dtype=torch.float32,
-    )  # fmt: skip
+        AutoModelForSequenceClassification,
+        hf.finetune_base_source,
+        "model",
+        num_labels=c.num_labels,
+        id2label=c.id2label,
+        label2id=c.label2id,
+        problem_type=c.problem_type,
+        ignore_mismatched_sizes=True,
+        trust_remote_code=getattr(hf, "finetune_trust_remote_code", False),
+        dtype=torch.float32,
+    )
     use_pad_token(base, tokenizer)
     if bf16_true:
         apply_precision_policy(base, "bf16-true", None)
@@ -622,10 +654,16 @@ def reinit_top_layers(model: PreTrainedModel, n: int) -> None:
 # LoRA targets when `model.lora.target_modules` is unset: the attention's query and value
 # projections (fused qkv where the family fuses them); other families take peft's own table.
 LORA_TARGETS = {
-    "bert": ["query", "value"], "roberta": ["query", "value"], "xlm-roberta": ["query", "value"],
-    "electra": ["query", "value"], "deberta-v2": ["query_proj", "value_proj"], "distilbert": ["q_lin", "v_lin"],
-    "modernbert": ["Wqkv"], "phi3": ["qkv_proj"], "phi": ["q_proj", "v_proj"],
-}  # fmt: skip
+    "bert": ["query", "value"],
+    "roberta": ["query", "value"],
+    "xlm-roberta": ["query", "value"],
+    "electra": ["query", "value"],
+    "deberta-v2": ["query_proj", "value_proj"],
+    "distilbert": ["q_lin", "v_lin"],
+    "modernbert": ["Wqkv"],
+    "phi3": ["qkv_proj"],
+    "phi": ["q_proj", "v_proj"],
+}
 
 
 def lora_targets(model: PreTrainedModel, configured: list[str] | None) -> list[str]:
@@ -669,9 +707,7 @@ def add_lora(model: PreTrainedModel, lora: Any) -> Any:
     missing = [t for t in targets if t not in names]
     if missing:
         example = ", ".join(LORA_TARGETS.get(model.config.model_type, ["query", "value"]))
-        raise UserError(
-            f"model.lora.target_modules: {missing} are not module names of this model (e.g. {example})"
-        )
+        raise UserError(f"model.lora.target_modules: {missing} are not module names of this model (e.g. {example})")
     config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=lora.r,
@@ -704,6 +740,7 @@ def exportable(model: torch.nn.Module) -> PreTrainedModel:
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
+
     def count(p: torch.Tensor) -> int:  # a 4-bit weight packs two values per uint8 element
         state = getattr(p, "quant_state", None)
         return int(math.prod(state.shape)) if state is not None else p.numel()

@@ -93,8 +93,9 @@ def parameter_groups(cfg: Config, model: torch.nn.Module) -> list[dict[str, Any]
     for name, param in named:
         where, lr = place(name) if (t.layer_lr_decay < 1 or t.head_learning_rate) else ("all", t.learning_rate)
         decay = param.ndim >= 2
-        group = groups.setdefault((where, decay), {"params": [], "lr": lr, "name": where,
-                                                   "weight_decay": t.weight_decay if decay else 0.0})
+        group = groups.setdefault(
+            (where, decay), {"params": [], "lr": lr, "name": where, "weight_decay": t.weight_decay if decay else 0.0}
+        )
         group["params"].append(param)
     # the head or top first (the logged lr is the first group's), decayed parameters before the rest
     return [g for (_, decay), g in sorted(groups.items(), key=lambda kv: (-kv[1]["lr"], not kv[0][1]))]

@@ -247,8 +247,9 @@ class _QuantMatmul(torch.autograd.Function):
     kept as a ctx attribute)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int], dtype: Any,
-                save_input: bool) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, shape: tuple[int, int], dtype: Any, save_input: bool
+    ) -> torch.Tensor:
         ctx.shape, ctx.dtype, ctx.x_dtype = shape, dtype, x.dtype
         if save_input:
             # an attribute, not save_for_backward, as MatMul8bitFp does (`ctx.A = A`): autograd frees saved

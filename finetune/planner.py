@@ -248,8 +248,10 @@ def predict_peak(
     arch = cfg.model.architecture or cfg.model.plan_architecture
     layers = int((arch or {}).get("num_hidden_layers", 0))
     if layers > EXTRAPOLATE_ABOVE:
-        two, four = (predict_peak(with_layers(cfg, n), micro, accumulation, tokenizer, label_names, seq_len, device)
-                     for n in (2, 4))  # fmt: skip
+        two, four = (
+            predict_peak(with_layers(cfg, n), micro, accumulation, tokenizer, label_names, seq_len, device)
+            for n in (2, 4)
+        )
         per = {k: (four.categories[k] - two.categories[k]) / 2 for k in two.categories}
         categories = {k: int(round(two.categories[k] + per[k] * (layers - 2))) for k in two.categories}
         return Measurement(sum(categories.values()), categories)
@@ -340,8 +342,10 @@ def planned_units(cfg: Config, label_names: list[str], tokenizer: Any, shards: i
     with torch.random.fork_rng(devices=[]):
         model, _ = build_for_planning(cfg, label_names, tokenizer, FakeTensorMode(allow_non_fake_inputs=False))
     units = fsdp_units(model)
-    notes.append(f"FSDP, {shards} shards: parameters, gradients and optimizer state per rank, plus the largest "
-                 f"unit gathered whole, twice ({max(units) / MiB:,.1f} MiB of parameters)")
+    notes.append(
+        f"FSDP, {shards} shards: parameters, gradients and optimizer state per rank, plus the largest "
+        f"unit gathered whole, twice ({max(units) / MiB:,.1f} MiB of parameters)"
+    )
     return units
 
 
@@ -541,8 +545,16 @@ def plan_grid(
         for length in lengths:
             for micro in micro_sizes:
                 m = predict_peak(variant, micro, 2, tokenizer, label_names, seq_len=length, device=device)
-                cells.append(GridCell(name, micro, length, m.peak_bytes,
-                                      m.peak_bytes + margin_bytes(m.peak_bytes, device), dict(m.categories)))
+                cells.append(
+                    GridCell(
+                        name,
+                        micro,
+                        length,
+                        m.peak_bytes,
+                        m.peak_bytes + margin_bytes(m.peak_bytes, device),
+                        dict(m.categories),
+                    )
+                )
     return cells
 
 
@@ -567,8 +579,9 @@ def format_grid(cells: list[GridCell], cfg: Config, device: str, notes: list[str
         f"peak MiB{' with margin (CUDA context + allocator)' if device == 'cuda' else ''} of one optimizer window; "
         "columns: tokens per row x micro-batch",
     ]
-    lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths,
-                                                                                               strict=True)))
-              for r in table]  # fmt: skip
+    lines += [
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths, strict=True)))
+        for r in table
+    ]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)

@@ -32,7 +32,6 @@ from finetune.errors import UserError
 logger = logging.getLogger("finetune")
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Modes.
 
@@ -63,10 +62,13 @@ def refuse_adamw8bit_off_cuda(optimizer: str, device: str, *, planning: bool = F
     """
     if optimizer == "adamw8bit" and device != "cuda":
         if planning:
-            raise UserError("train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, "
-                            "or use adamw/adafactor")
-        raise UserError("train.optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit kernels); on CPU use adamw "
-                        "or adafactor")
+            raise UserError(
+                "train.optimizer=adamw8bit (bitsandbytes) needs a CUDA GPU; plan with --device cuda, "
+                "or use adamw/adafactor"
+            )
+        raise UserError(
+            "train.optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit kernels); on CPU use adamw or adafactor"
+        )
 
 
 def check_supported(mode: str, device: torch.device) -> None:

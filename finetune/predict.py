@@ -86,8 +86,9 @@ def model_logits(
     # never past the model's positions (a from-scratch model may have fewer than 512; RoBERTa's table has 2 more)
     max_length = min(max_length, position_limit(model.config) or max_length)
     c = model.config  # the run's windowing of long texts, as final/config.json records it
-    w = Windowing(max_length, getattr(c, "truncation", None), getattr(c, "head_fraction", 0.25),
-                  getattr(c, "chunk_stride", None))  # fmt: skip
+    w = Windowing(
+        max_length, getattr(c, "truncation", None), getattr(c, "head_fraction", 0.25), getattr(c, "chunk_stride", None)
+    )
     enc = encode_texts(tokenizer, texts, pairs, w, measure=False)
     keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
     order = sorted(range(len(enc["input_ids"])), key=lambda i: enc["length"][i])  # similar lengths: less padding
@@ -131,8 +132,11 @@ def predict_texts(
         else:
             probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
             best = int(probs.argmax())
-            p.update(label=names[best], score=float(probs[best]),
-                     probabilities={n: float(q) for n, q in zip(names, probs, strict=True)})  # fmt: skip
+            p.update(
+                label=names[best],
+                score=float(probs[best]),
+                probabilities={n: float(q) for n, q in zip(names, probs, strict=True)},
+            )
         out.append(p)
     return out
 

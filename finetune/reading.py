@@ -34,7 +34,6 @@ datasets.disable_progress_bars()  # loading is quick; the training bar is the on
 _EXT_FORMAT = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
 
 
-
 @dataclass
 class RawSplits:
     """Text splits with columns `text`, optional `text_pair`, `label`: the raw label as str (single-label),
@@ -312,8 +311,11 @@ def _normalize(cfg: Config, ds: datasets.Dataset, path: str, need_label: bool = 
     ds = ds.select_columns(list(dict.fromkeys(v for k, v in wanted.items() if k != "label")))
     ds = ds.rename_columns({col: role for role, col in wanted.items() if col != role and role != "label"})
     if labels is not None:
-        feature = {SINGLE: datasets.Value("string"), REGRESSION: datasets.Value("float64"),
-                   MULTI: datasets.Sequence(datasets.Value("string"))}[cfg.model.problem_type]  # fmt: skip
+        feature = {
+            SINGLE: datasets.Value("string"),
+            REGRESSION: datasets.Value("float64"),
+            MULTI: datasets.Sequence(datasets.Value("string")),
+        }[cfg.model.problem_type]
         ds = ds.add_column("label", labels, feature=feature)
     return ds
 

@@ -70,9 +70,17 @@ def check_launch_dynamo(cfg: Config) -> None:
 
 
 # log.trackers -> what to pip install (Accelerate checks for the import name; aim 4 is not supported by it)
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow",
-                    "comet_ml": "comet-ml", "aim": "'aim<4'", "clearml": "clearml", "dvclive": "dvclive",
-                    "swanlab": "swanlab"}  # fmt: skip
+TRACKER_PACKAGES = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "trackio": "trackio",
+    "mlflow": "mlflow",
+    "comet_ml": "comet-ml",
+    "aim": "'aim<4'",
+    "clearml": "clearml",
+    "dvclive": "dvclive",
+    "swanlab": "swanlab",
+}
 # the keyword each tracker's init takes for a run's name (Accelerate names the project "finetune")
 TRACKER_RUN_NAME = {"wandb": "name", "trackio": "name", "mlflow": "run_name", "swanlab": "experiment_name"}
 
@@ -88,8 +96,10 @@ def check_trackers(trackers: list[str]) -> None:
     for name in trackers:
         if not getattr(imports, f"is_{name}_available")():
             package = TRACKER_PACKAGES[name]
-            raise UserError(f"log.trackers: {name} needs the package {package}, which is not installed: "
-                            f"pip install {package} (or remove {name} from log.trackers)")
+            raise UserError(
+                f"log.trackers: {name} needs the package {package}, which is not installed: "
+                f"pip install {package} (or remove {name} from log.trackers)"
+            )
 
 
 def tracker_init_kwargs(trackers: list[str], run_dir: Path) -> dict[str, dict[str, str]]:
@@ -169,9 +179,11 @@ def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
     if plugin.fsdp_version != 2:
         # FSDP1 asks for a device at wrap time: "RuntimeError: There are currently no available devices
         # found, must be one of 'XPU', 'CUDA', 'MLU', 'NPU', 'MUSA', or 'HPU'."
-        raise UserError(f"FSDP version {plugin.fsdp_version} cannot run on CPU (torch's FullyShardedDataParallel "
-                        "needs a GPU); set fsdp_version: 2 in the Accelerate config "
-                        "(configs/accelerate/fsdp-cpu.yaml)")
+        raise UserError(
+            f"FSDP version {plugin.fsdp_version} cannot run on CPU (torch's FullyShardedDataParallel "
+            "needs a GPU); set fsdp_version: 2 in the Accelerate config "
+            "(configs/accelerate/fsdp-cpu.yaml)"
+        )
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin
@@ -360,7 +372,6 @@ def configure_determinism(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-
 def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
     """Log to stderr on the main process (and to train.log in the run directory)."""
     for handler in logger.handlers:
@@ -422,8 +433,11 @@ def progress_bar(*args: Any, **kwargs: Any) -> Any:
     if notebook or getattr(stream, "isatty", lambda: False)():
         return tqdm(*args, **kwargs)
     interval = os.environ.get("TQDM_MININTERVAL")
-    kwargs.update(mininterval=float(interval) if interval else PROGRESS_LINE_INTERVAL_S, smoothing=0,
-                  bar_format=PROGRESS_LINE_FORMAT)  # fmt: skip
+    kwargs.update(
+        mininterval=float(interval) if interval else PROGRESS_LINE_INTERVAL_S,
+        smoothing=0,
+        bar_format=PROGRESS_LINE_FORMAT,
+    )
     return ProgressLines(*args, **kwargs)
 
 
@@ -448,7 +462,6 @@ def provenance(files: dict[str, Path], data_sha256: dict[str, str]) -> dict[str,
         "data_files": {split: {"path": str(p), "sha256": data_sha256[split]} for split, p in files.items()},
         "command": sys.argv,
     }
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -540,7 +553,6 @@ def resume_hint(prog: str, config: str, overrides: list[str]) -> str:
     """The one command that resumes a run (the overrides kept, checkpoint.resume set to auto)."""
     kept = [o for o in overrides if not o.startswith("checkpoint.resume=") and not o.startswith("run.overwrite=")]
     return " ".join([prog, "--config", config, *kept, "checkpoint.resume=auto"])
-
 
 
 # ----------------------------------------------------------------------------------------------

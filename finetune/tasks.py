@@ -61,14 +61,20 @@ METRICS: dict[str, Metric] = {
 PROBLEM_TYPES: dict[str, ProblemType] = {
     p.name: p
     for p in (
-        ProblemType(SINGLE, ("accuracy", "macro_f1"),
-                    "single-label classification: one label per text (softmax over the labels)"),
-        ProblemType(MULTI, ("micro_f1", "macro_f1", "subset_accuracy"),
-                    "multi-label classification: any number of labels per text (a sigmoid per label, each with "
-                    "its decision threshold)"),
+        ProblemType(
+            SINGLE,
+            ("accuracy", "macro_f1"),
+            "single-label classification: one label per text (softmax over the labels)",
+        ),
+        ProblemType(
+            MULTI,
+            ("micro_f1", "macro_f1", "subset_accuracy"),
+            "multi-label classification: any number of labels per text (a sigmoid per label, each with "
+            "its decision threshold)",
+        ),
         ProblemType(REGRESSION, ("pearson", "spearman", "mse"), "regression: one real-valued score per text"),
     )
-}  # fmt: skip
+}
 
 
 def _merged(orders: list[tuple[str, ...]]) -> tuple[str, ...]:

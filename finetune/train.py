@@ -1,7 +1,7 @@
 """Fine-tune a text classifier: `accelerate launch finetune/train.py --config CONFIG [key=value ...]`.
 
-Setup lives in small `build_*` functions returning plain objects; `train()` is the one loop, read top
-to bottom; one accumulation window, one optimizer step, a log row, an evaluation, a checkpoint and
+Setup lives in assemble.py (small functions returning plain objects); `train()` is the one loop, read
+top to bottom; one accumulation window, one optimizer step, a log row, an evaluation, a checkpoint and
 the final phase are the named helpers below it. The run's progress is `TrainingProgress`, which is
 also a checkpoint's progress.json.
 """
@@ -31,11 +31,25 @@ from accelerate.utils import set_seed
 from finetune import checkpoint as ckpt
 from finetune import faults
 from finetune import memory as mem
+from finetune.assemble import (
+    batch_layout,
+    build_eval_loaders,
+    build_policy_model,
+    describe_setup,
+    disk_need,
+    find_resume,
+    fresh_progress,
+    memory_summary,
+    precision_monitor,
+    prepare_run_dir,
+    step_bar,
+    train_targets,
+)
 from finetune.card import write_model_card
 from finetune.checkpoint import TrainingProgress
 from finetune.config import Config
 from finetune.config_io import dump_config, flat_config, load_config
-from finetune.data import Data, build_data, build_eval_loader, build_train_loader, format_data_report
+from finetune.data import Data, build_data, build_train_loader, format_data_report
 from finetune.errors import UserError
 from finetune.final import export_final, prediction_config
 from finetune.metrics import (
@@ -50,14 +64,7 @@ from finetune.metrics import (
     record_row,
     score,
 )
-from finetune.model import (
-    build_model,
-    build_tokenizer,
-    check_max_length,
-    check_quantized_autocast,
-    choose_pad_token,
-    count_parameters,
-)
+from finetune.model import build_tokenizer, check_max_length, choose_pad_token
 from finetune.optim import (
     build_optimizer,
     build_scheduler,
@@ -66,14 +73,10 @@ from finetune.optim import (
     fold_clipping_into_step,
     planned_steps,
 )
-from finetune.packing import attention_cost, check_packing, packed_logits
-from finetune.planner import resolve_micro_batch
+from finetune.packing import attention_cost, packed_logits
 from finetune.precision import (
     PrecisionMonitor,
-    apply_precision_policy,
     audit_json,
-    check_audit,
-    compile_model,
     dtype_audit,
     format_audit,
     fp32_per_sample_loss,
@@ -87,8 +90,6 @@ from finetune.runtime import (
     configure_determinism,
     end_job,
     optimizer_step_out_of_memory,
-    progress_bar,
-    provenance,
     resume_hint,
     setup_logging,
     several_processes,
@@ -194,9 +195,7 @@ def train(
     notes = [pad_note] if pad_note else []  # logged once the run directory's train.log exists
     model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer, train_targets(data), notes)
     P = accelerator.num_processes
-    micro, G, planned = resolve_micro_batch(cfg, P, accelerator.device.type, tokenizer, data.label_names,
-                                            shards=P if accelerator.distributed_type == "FSDP" else 1)
-    accelerator.gradient_accumulation_steps = G
+    micro, G, planned = batch_layout(cfg, accelerator, tokenizer, data)
     attn_cost = attention_cost(model)  # packing: how much a longer row costs in attention
     train_loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, P, attn_cost)
     eval_loader, test_loader = build_eval_loaders(cfg, data, tokenizer, micro * 2 * P)
@@ -212,13 +211,7 @@ def train(
     for note in (*notes, describe_groups(optimizer)):
         if note:
             logger.info(note)
-    trainable, total_params = count_parameters(model)
-    logger.info(
-        f"model: {trainable:,} trainable / {total_params:,} parameters; {len(data.label_names)} labels; "
-        f"precision {cfg.precision.mode}; {P} process(es) x micro-batch {micro} x accumulation {G} "
-        f"= effective batch {micro * G * P}; {total_steps} optimizer steps over {num_epochs} epoch(s); "
-        f"{threads} CPU thread(s) per process"
-    )
+    logger.info(describe_setup(cfg, model, data, (micro, G, P), (total_steps, num_epochs), threads))
     if cfg.log.trackers:
         accelerator.init_trackers("finetune", flat_config(cfg), tracker_init_kwargs(cfg.log.trackers, run_dir))
     ckpt.warn_if_disk_small(run_dir, disk_need(cfg, model))
@@ -229,15 +222,30 @@ def train(
     )
     eval_loader = loaders.pop(0) if eval_loader is not None else None
     test_loader = loaders.pop(0) if test_loader is not None else None
-    run = Run(cfg, accelerator, model, optimizer, scheduler, tokenizer, data, train_loader, sampler, eval_loader,
-              test_loader, run_dir, guard, total_steps, num_epochs, attn_cost, norm_names)
-    run.precision = PrecisionMonitor(cfg.precision.mode, cfg.train.nonfinite, accelerator.scaler, cfg.model.compile, P,
-                                     lambda: (ckpt.list_checkpoints(run_dir) or [None])[-1])
+    run = Run(
+        cfg,
+        accelerator,
+        model,
+        optimizer,
+        scheduler,
+        tokenizer,
+        data,
+        train_loader,
+        sampler,
+        eval_loader,
+        test_loader,
+        run_dir,
+        guard,
+        total_steps,
+        num_epochs,
+        attn_cost,
+        norm_names,
+    )
+    run.precision = precision_monitor(cfg, accelerator, run_dir)
     run.fold_clip = cfg.train.max_grad_norm is not None and clipping_folds_into_step(optimizer, accelerator)
     run.report = report
 
-    progress = TrainingProgress(data_seed=cfg.run.seed, micro_batch_size=micro, gradient_accumulation_steps=G,
-                                num_processes=P, best_metric=cfg.checkpoint.best_metric, data_sha256=data.sha256)
+    progress = fresh_progress(cfg, data, micro, G, P)
     sums = LogSums.zeros(accelerator.device)
     if resume_from is not None:
         progress = resume(run, resume_from, progress, sums)
@@ -245,8 +253,7 @@ def train(
     summary = memory_summary(cfg, progress) | {"planned_bytes": planned}  # the plan, when micro-batch was auto
     run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, summary, cfg.memory.record_history)
     run.memory.heaviest_step = heaviest_step(sampler, progress, total_steps)
-    run.bar = progress_bar(total=total_steps, initial=progress.step, desc="train", unit="step",
-                           disable=not accelerator.is_main_process, dynamic_ncols=True)
+    run.bar = step_bar(total_steps, progress.step, accelerator.is_main_process)
     if progress.step < total_steps and not progress.finished:
         run.memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
 
@@ -272,112 +279,15 @@ def train(
 
 
 # ----------------------------------------------------------------------------------------------
-# Setup.
-
-
-def train_targets(data: Data) -> torch.Tensor | None:
-    """The training labels as one tensor (multi-hot rows or scores), for the head's starting point."""
-    if data.problem_type == "single_label_classification" or "labels" not in data.train.column_names:
-        return None
-    return torch.tensor(data.train["labels"][:], dtype=torch.float64)
-
-
-def build_policy_model(
-    cfg: Config,
-    label_names: list[str],
-    tokenizer: Any,
-    targets: torch.Tensor | None = None,
-    notes: list[str] | None = None,
-) -> tuple[torch.nn.Module, dict, list[str]]:
-    """The model with the precision policy applied (bf16-true cast, fp32 norms), audited, then
-    compiled in place (this order); returns it with its dtype audit and the fp32 norm modules.
-
-    Raises:
-        UserError: the model cannot be built, packs badly, or contradicts the precision policy.
-    """
-    check_quantized_autocast(cfg)
-    model = build_model(cfg, label_names, tokenizer, targets=targets, notes=notes)
-    if cfg.data.packing:
-        check_packing(model)
-    prec = cfg.precision
-    norm_names = apply_precision_policy(model, prec.mode, prec.fp32_norms, prec.norm_class_names)
-    audit = dtype_audit(model, prec.mode, prec.fp32_norms, norm_names=norm_names)
-    check_audit(audit, prec.allow_dtype_mismatch)
-    if cfg.model.compile:
-        compile_model(model, cfg.model.compile_backend, cfg.model.compile_mode, cfg.model.compile_dynamic)
-    return model, audit, norm_names
-
-
-def build_eval_loaders(cfg: Config, data: Data, tokenizer: Any, batch_size: int) -> tuple[Any, Any]:
-    """Validation and test loaders (None where the split is absent); batches are global, as in training."""
-    def build(ds: Any) -> Any:
-        return build_eval_loader(ds, tokenizer, batch_size, cfg.data.num_workers) if ds is not None else None
-
-    return build(data.validation), build(data.test)
-
-
-def find_resume(cfg: Config, accelerator: Accelerator, run_dir: Path, data: Data) -> Path | None:
-    """The checkpoint to resume from (None: start fresh).
-
-    Temporaries of an interrupted save are settled first: a complete `.trash-step_<N>` whose
-    replacement never landed is renamed back, so resume finds the newest checkpoint.
-
-    Raises:
-        UserError: the checkpoint is incomplete, belongs to another config or other data, or was
-            saved in a layout this launch cannot load (with FSDP or without).
-    """
-    if cfg.checkpoint.resume is not None and run_dir.is_dir() and accelerator.is_main_process:
-        ckpt.cleanup_stale(run_dir)
-    accelerator.wait_for_everyone()
-    found = ckpt.find_resume_checkpoint(cfg.checkpoint.resume, run_dir, cfg.model_dump(mode="json"), data.sha256)
-    if found is not None:
-        ckpt.check_state_layout(found, accelerator)  # FSDP's files or a whole model: what load_state reads
-    return found
-
-
-def prepare_run_dir(
-    cfg: Config, accelerator: Accelerator, run_dir: Path, data: Data, audit: dict, resume_from: Path | None
-) -> None:
-    """Create (or replace) the run directory and write the run's description files."""
-    if accelerator.is_main_process:
-        if cfg.run.overwrite and resume_from is None:
-            ckpt.remove_tree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.cleanup_stale(run_dir)  # temporaries of a save or rotation that a crash interrupted
-        if resume_from is None:
-            ckpt.trim_metrics(run_dir / "metrics.jsonl", 0)  # a restart of this config logs from step 0 again
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        (run_dir / "labels.json").write_text(json.dumps(data.label_names))
-        (run_dir / "provenance.json").write_text(json.dumps(provenance(data.files, data.sha256), indent=2))
-        (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=2))
-        (run_dir / "dtype_audit.json").write_text(audit_json(audit))
-    accelerator.wait_for_everyone()
-
-
-def disk_need(cfg: Config, model: torch.nn.Module) -> int:
-    """Bytes the run may write: checkpoints (weights + optimizer state) and final/."""
-    weights = mem.parameter_bytes(model) + mem.buffer_bytes(model)
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    state = {"adamw": 8, "adamw8bit": 2, "adafactor": 1, "sgd": 4 * (cfg.train.momentum > 0)}[cfg.train.optimizer]
-    return ckpt.estimate_disk_need(weights + trained * state, weights, cfg.checkpoint.keep_last,
-                                   cfg.checkpoint.every_steps is not None)
-
-
-def memory_summary(cfg: Config, progress: TrainingProgress) -> dict[str, Any]:
-    """The settings a memory report names."""
-    return {
-        "precision": cfg.precision.mode, "micro_batch_size": progress.micro_batch_size,
-        "gradient_accumulation_steps": progress.gradient_accumulation_steps, "processes": progress.num_processes,
-        "max_length": cfg.data.max_length, "gradient_checkpointing": cfg.model.gradient_checkpointing,
-        "optimizer": cfg.train.optimizer, "lora": cfg.model.lora is not None,
-    }
+# Resume and the loader after a retry.
 
 
 def rebuild_train_loader(run: Run, progress: TrainingProgress) -> None:
     """A prepared training loader at the progress's micro-batch; its windows hold the same samples."""
     micro, G = progress.micro_batch_size, progress.gradient_accumulation_steps
-    loader, run.sampler = build_train_loader(run.data.train, run.tokenizer, run.cfg, micro, G,
-                                             run.accelerator.num_processes, run.attn_cost)
+    loader, run.sampler = build_train_loader(
+        run.data.train, run.tokenizer, run.cfg, micro, G, run.accelerator.num_processes, run.attn_cost
+    )
     run.accelerator.gradient_accumulation_steps = G
     run.train_loader = run.accelerator.prepare(loader)
 
@@ -393,17 +303,21 @@ def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> Trai
     adapt_to_launch(progress, fresh.micro_batch_size, fresh.gradient_accumulation_steps, acc.num_processes, path)
     progress.data_sha256 = fresh.data_sha256
     if (progress.micro_batch_size, progress.gradient_accumulation_steps) != (
-        fresh.micro_batch_size, fresh.gradient_accumulation_steps,
+        fresh.micro_batch_size,
+        fresh.gradient_accumulation_steps,
     ):  # an out-of-memory retry lowered the micro-batch: keep it (batches_in_epoch counts in it)
         rebuild_train_loader(run, progress)
-        logger.info(f"resuming with micro-batch {progress.micro_batch_size} x accumulation "
-                    f"{progress.gradient_accumulation_steps} (chosen after an out-of-memory error)")
+        logger.info(
+            f"resuming with micro-batch {progress.micro_batch_size} x accumulation "
+            f"{progress.gradient_accumulation_steps} (chosen after an out-of-memory error)"
+        )
     if acc.is_main_process:  # the saved partial log interval (all processes' sums) continues here once
         saved = torch.tensor(progress.log_sums, device=acc.device)  # 4 values before the row count existed
         sums.values[: len(saved)] = saved
         ckpt.trim_metrics(run.metrics_file, progress.step)  # the steps after the checkpoint are logged again
-    logger.info(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, "
-                f"{progress.batches_in_epoch} batches in)")
+    logger.info(
+        f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, {progress.batches_in_epoch} batches in)"
+    )
     return progress
 
 
@@ -444,8 +358,9 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
     window = torch.zeros(5, device=acc.device)
     for batch in batches:
         progress.batches_in_epoch += 1
-        faults.signal_point("batch", progress.epoch * len(run.train_loader) + progress.batches_in_epoch, run.run_dir,
-                            run.guard)
+        faults.signal_point(
+            "batch", progress.epoch * len(run.train_loader) + progress.batches_in_epoch, run.run_dir, run.guard
+        )
         labels, weight, window_samples = batch.pop("labels"), batch.pop("sample_weight"), batch.pop("window_samples")
         batch.pop("doc", None)  # which text a window belongs to: evaluation's concern
         run.memory.note_batch(batch["input_ids"].shape)
@@ -458,14 +373,23 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
             acc.backward(window_loss(per_sample, window_samples, G, P))  # exact accumulation, tail window included
         if run.oom.hit:
             if P > 1:  # the other processes are in this step's collectives: no rank may redo it alone
-                raise UserError(f"out of memory on one of {P} processes ({run.oom.message}); the micro-batch "
-                                "backoff runs on one process only (DDP and FSDP ranks share every step); lower "
-                                "train.micro_batch_size (same train.batch_size) and resume with checkpoint.resume=auto")
+                raise UserError(
+                    f"out of memory on one of {P} processes ({run.oom.message}); the micro-batch "
+                    "backoff runs on one process only (DDP and FSDP ranks share every step); lower "
+                    "train.micro_batch_size (same train.batch_size) and resume with checkpoint.resume=auto"
+                )
             return "out_of_memory"
         lengths = batch["sequence_lengths"] if cfg.data.packing else batch["attention_mask"].sum(-1)
         live = (weight > 0).float()  # weight-0 fill rows are waste
-        window += torch.stack([per_sample.detach().sum(), weight.sum(), (lengths * live).sum(),
-                               live.new_full((), float(batch["input_ids"].numel())), live.sum()])
+        window += torch.stack(
+            [
+                per_sample.detach().sum(),
+                weight.sum(),
+                (lengths * live).sum(),
+                live.new_full((), float(batch["input_ids"].numel())),
+                live.sum(),
+            ]
+        )
         if acc.sync_gradients:
             optimizer_step(run, progress, window, sums)
             return "step"
@@ -482,8 +406,9 @@ def optimizer_step(run: Run, progress: TrainingProgress, window: torch.Tensor, s
     acc, max_norm, step = run.accelerator, run.cfg.train.max_grad_norm, progress.step + 1
     grad_norm = None
     if run.fold_clip:
-        grad_norm = fold_clipping_into_step(run.optimizer, [p for p in run.model.parameters() if p.requires_grad],
-                                            max_norm)
+        grad_norm = fold_clipping_into_step(
+            run.optimizer, [p for p in run.model.parameters() if p.requires_grad], max_norm
+        )
     elif max_norm is not None or run.precision.checks_grads:
         grad_norm = acc.clip_grad_norm_(run.model.parameters(), max_norm or float("inf"))
     # the step's one host sync: NaN/inf loss or grad norm stops (NonFiniteError) or skips (train.nonfinite)
@@ -514,8 +439,10 @@ def recover_from_oom(run: Run, progress: TrainingProgress, loader: Any) -> None:
     """
     run.model.zero_grad(set_to_none=True)
     run.oom.redo_window(progress, run.accelerator, loader)
-    run.memory.config_summary.update(micro_batch_size=progress.micro_batch_size,  # memory.json: what runs
-                                     gradient_accumulation_steps=progress.gradient_accumulation_steps)
+    run.memory.config_summary.update(
+        micro_batch_size=progress.micro_batch_size,  # memory.json: what runs
+        gradient_accumulation_steps=progress.gradient_accumulation_steps,
+    )
     rebuild_train_loader(run, progress)
 
 
@@ -536,8 +463,9 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         evaluate_now(run, progress, sums)
     patience = cfg.train.early_stopping_patience
     if patience and progress.best.get("bad_evals", 0) >= patience:  # decided before a save records the step
-        logger.info(f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} "
-                    "evaluations")
+        logger.info(
+            f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} evaluations"
+        )
         progress.finished = True
     saved = None
     if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < run.total_steps:
@@ -569,8 +497,10 @@ def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     progress.samples_seen += int(samples)
     row.update(run.precision.fields())  # compile_graphs, loss_scale, skipped steps
     record_row(run.accelerator, run.metrics_file, row)
-    run.bar.set_postfix({"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}",
-                         "samples/s": f"{row['samples_per_s']:.1f}"}, refresh=False)
+    run.bar.set_postfix(
+        {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}", "samples/s": f"{row['samples_per_s']:.1f}"},
+        refresh=False,
+    )
     sums.reset()
 
 
@@ -589,9 +519,7 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         run.report(progress.step, progress.eval)
 
 
-def evaluate_split(
-    run: Run, split: str, fault_step: int = 0, thresholds: list[float] | None = None
-) -> dict[str, Any]:
+def evaluate_split(run: Run, split: str, fault_step: int = 0, thresholds: list[float] | None = None) -> dict[str, Any]:
     """The metrics of the run's model on `split` ("validation" or "test"); its outputs are kept in
     `run.outputs` for the intervals and predictions.jsonl of final/'s weights."""
     loader = run.eval_loader if split == "validation" else run.test_loader
@@ -609,10 +537,26 @@ def describe_final(run: Run, final: dict[str, Any], thresholds: list[float] | No
         if split not in run.outputs:  # a finished run resumed: its last evaluation was in the earlier process
             evaluate_split(run, split, thresholds=thresholds)
         out = run.outputs[split]
-        metrics.update(bootstrap_ci(cfg.model.problem_type, out.labels.numpy(), out.logits.numpy(),
-                                    len(run.data.label_names), thresholds, cfg.train.bootstrap_resamples, cfg.run.seed))
-        rows += prediction_rows(split, out, run.data.texts[split], run.data.pairs.get(split),
-                                cfg.model.problem_type, run.data.label_names, thresholds)
+        metrics.update(
+            bootstrap_ci(
+                cfg.model.problem_type,
+                out.labels.numpy(),
+                out.logits.numpy(),
+                len(run.data.label_names),
+                thresholds,
+                cfg.train.bootstrap_resamples,
+                cfg.run.seed,
+            )
+        )
+        rows += prediction_rows(
+            split,
+            out,
+            run.data.texts[split],
+            run.data.pairs.get(split),
+            cfg.model.problem_type,
+            run.data.label_names,
+            thresholds,
+        )
     if run.accelerator.is_main_process and rows:
         tmp = run.run_dir / "predictions.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -630,13 +574,23 @@ def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
     if snapshot.batches_in_epoch >= len(run.train_loader):  # a finished epoch: saved as the start of the next
         snapshot.epoch, snapshot.batches_in_epoch = snapshot.epoch + 1, 0
     report = run.memory.report(progress.step)
-    audit = dtype_audit(acc.unwrap_model(run.model), cfg.precision.mode, cfg.precision.fp32_norms,
-                        norm_names=run.norm_names)
-    files = {"config.yaml": dump_config(cfg), "eval.json": json.dumps(progress.eval, indent=2),
-             "dtype_audit.json": audit_json(audit)}
-    return ckpt.save_checkpoint(acc, run.run_dir, snapshot, files,
-                                write_extra=lambda d: run.memory.write(report, d, run.metrics_file),
-                                keep_last=cfg.checkpoint.keep_last, best_metric=cfg.checkpoint.best_metric)
+    audit = dtype_audit(
+        acc.unwrap_model(run.model), cfg.precision.mode, cfg.precision.fp32_norms, norm_names=run.norm_names
+    )
+    files = {
+        "config.yaml": dump_config(cfg),
+        "eval.json": json.dumps(progress.eval, indent=2),
+        "dtype_audit.json": audit_json(audit),
+    }
+    return ckpt.save_checkpoint(
+        acc,
+        run.run_dir,
+        snapshot,
+        files,
+        write_extra=lambda d: run.memory.write(report, d, run.metrics_file),
+        keep_last=cfg.checkpoint.keep_last,
+        best_metric=cfg.checkpoint.best_metric,
+    )
 
 
 def final_memory_report(run: Run, step: int) -> dict[str, Any]:
@@ -669,8 +623,11 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     memory_report = final_memory_report(run, progress.step)
     run.memory.close()
     final = {**progress.eval, "step": progress.step, "exported": "last"}
-    best = ckpt.load_best_weights(acc, run.model, run.run_dir, cfg.checkpoint.best_metric) \
-        if cfg.checkpoint.export == "best" else None
+    best = (
+        ckpt.load_best_weights(acc, run.model, run.run_dir, cfg.checkpoint.best_metric)
+        if cfg.checkpoint.export == "best"
+        else None
+    )
     if best is not None:
         best_step = ckpt.read_progress(best).step
         final = {**evaluate_split(run, "validation"), "step": best_step, "exported": "best"}
@@ -679,15 +636,24 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
         thresholds = [0.5] * len(run.data.label_names)  # no validation to tune on: never tune on test
     if run.test_loader is not None:
         final["test"] = evaluate_split(run, "test", thresholds=thresholds)
-        acc.log({k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},
-                step=progress.step)
-    export_final(acc, run.model, run.tokenizer, run.run_dir / "final", cfg.data.max_length,
-                      prediction_config(cfg, run.data.label_names, thresholds))
+        acc.log(
+            {k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},
+            step=progress.step,
+        )
+    export_final(
+        acc,
+        run.model,
+        run.tokenizer,
+        run.run_dir / "final",
+        cfg.data.max_length,
+        prediction_config(cfg, run.data.label_names, thresholds),
+    )
     describe_final(run, final, thresholds)
     if acc.is_main_process:
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
-        write_model_card(run.run_dir / "final", cfg, final, run.data.label_names, run.data.files, run.data.sha256,
-                         memory_report)
+        write_model_card(
+            run.run_dir / "final", cfg, final, run.data.label_names, run.data.files, run.data.sha256, memory_report
+        )
         if run.metrics_file.exists() and cfg.log.plots:
             plot_curves(run.metrics_file, run.run_dir / "curves.png")
             mem.plot_memory(run.metrics_file, run.run_dir / "memory.png", report=mem.latest_report(run.run_dir))

@@ -270,8 +270,9 @@ class WindowedBatchSampler(Sampler[list[tuple[int, int, float]]]):
             longest = max(self.lengths[i] for i in b)
             return len(b) * longest, longest
 
-        windows = [max(cost(b) for b in batches[w : w + self.accumulation])
-                   for w in range(0, len(batches), self.accumulation)]  # fmt: skip
+        windows = [
+            max(cost(b) for b in batches[w : w + self.accumulation]) for w in range(0, len(batches), self.accumulation)
+        ]
         return max(range(len(windows)), key=lambda w: (windows[w], -w))
 
 
@@ -398,8 +399,9 @@ class OutOfMemoryGuard:
         Raises:
             UserError: the micro-batch is 1 already.
         """
-        micro, G, skip = self.shrink(progress.micro_batch_size, progress.gradient_accumulation_steps,
-                                     progress.batches_in_epoch)
+        micro, G, skip = self.shrink(
+            progress.micro_batch_size, progress.gradient_accumulation_steps, progress.batches_in_epoch
+        )
         progress.micro_batch_size, progress.gradient_accumulation_steps, progress.batches_in_epoch = micro, G, skip
         if hasattr(loader, "end"):
             loader.end()  # leave Accelerate's end-of-dataloader tracking to the new loader

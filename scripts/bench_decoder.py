@@ -41,8 +41,15 @@ CONFIG = ROOT / "configs" / "sst2-smollm2.yaml"
 
 
 def overrides(out: Path, rows: int, seed: int) -> list[str]:
-    return [f"run.output_dir={out}", "run.overwrite=true", f"run.seed={seed}", f"data.max_train_samples={rows}",
-            "train.eval_every_steps=null", f"train.log_every_steps={10**9}", "checkpoint.every_steps=null"]  # fmt: skip
+    return [
+        f"run.output_dir={out}",
+        "run.overwrite=true",
+        f"run.seed={seed}",
+        f"data.max_train_samples={rows}",
+        "train.eval_every_steps=null",
+        f"train.log_every_steps={10**9}",
+        "checkpoint.every_steps=null",
+    ]
 
 
 def child_finetune(rows: int, seed: int, config: Path = CONFIG) -> dict[str, Any]:
@@ -84,13 +91,22 @@ def child_trainer(rows: int, seed: int) -> dict[str, Any]:
         micro, G = int(t.micro_batch_size), t.gradient_accumulation_steps
         total = planned_steps(cfg, math.ceil(len(train_ds) / (micro * G)))[0]
         set_seed(seed)
-        model = AutoModelForSequenceClassification.from_pretrained(resolve_model_path(cfg.model.source or ""),
-                                                                   num_labels=2)  # fmt: skip
+        model = AutoModelForSequenceClassification.from_pretrained(
+            resolve_model_path(cfg.model.source or ""), num_labels=2
+        )
         model.config.pad_token_id = tokenizer.pad_token_id
         lora = cfg.model.lora
         assert lora is not None
-        model = get_peft_model(model, LoraConfig(task_type=TaskType.SEQ_CLS, r=lora.r, lora_alpha=lora.alpha,
-                                                 lora_dropout=lora.dropout, target_modules=lora.target_modules))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                task_type=TaskType.SEQ_CLS,
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+            ),
+        )
         clock: dict[str, float] = {}
 
         class Clock(TrainerCallback):
@@ -100,18 +116,32 @@ def child_trainer(rows: int, seed: int) -> dict[str, Any]:
             def on_train_end(self, *a: Any, **k: Any) -> None:
                 clock["t1"] = time.perf_counter()
 
-        targs = TrainingArguments(output_dir=tmp, report_to="none", save_strategy="no", disable_tqdm=True,
-                                  gradient_accumulation_steps=G, **shared_hparams(cfg, total))  # fmt: skip
-        trainer = Trainer(model=model, args=targs, train_dataset=train_ds,
-                          data_collator=DataCollatorWithPadding(tokenizer), callbacks=[Clock()])  # fmt: skip
+        targs = TrainingArguments(
+            output_dir=tmp,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            gradient_accumulation_steps=G,
+            **shared_hparams(cfg, total),
+        )
+        trainer = Trainer(
+            model=model,
+            args=targs,
+            train_dataset=train_ds,
+            data_collator=DataCollatorWithPadding(tokenizer),
+            callbacks=[Clock()],
+        )
         trainer.train()
         real = total_tok = 0
         for batch in trainer.get_train_dataloader():
             real += int(batch["attention_mask"].sum())
             total_tok += batch["attention_mask"].numel()
         acc = DevSet(cfg, tokenizer).accuracy(model)
-    return {"samples_per_s": len(train_ds) / (clock["t1"] - clock["t0"]), "padding_fraction": 1 - real / total_tok,
-            "accuracy": acc}  # fmt: skip
+    return {
+        "samples_per_s": len(train_ds) / (clock["t1"] - clock["t0"]),
+        "padding_fraction": 1 - real / total_tok,
+        "accuracy": acc,
+    }
 
 
 CHILDREN = {
@@ -125,8 +155,21 @@ def run_child(name: str, rows: int, seed: int) -> dict[str, Any]:
     """One contestant in a fresh process; its result line plus its peak RSS."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--child", name, "--rows", str(rows), "--seed", str(seed),
-                        "--child-out", out.name], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                name,
+                "--rows",
+                str(rows),
+                "--seed",
+                str(seed),
+                "--child-out",
+                out.name,
+            ],
+            check=True,
+        )
         result = json.loads(Path(out.name).read_text())
     result["wall_s"] = time.perf_counter() - t0
     return result
@@ -154,13 +197,16 @@ def main() -> int:
             runs[name].append(r)
             print(f"[{rep + 1}/{args.repeats}] {name:8s} {json.dumps(r)}", flush=True)
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
-    ratio = statistics.median(a["samples_per_s"] / b["samples_per_s"]
-                              for a, b in zip(runs["finetune"], runs["trainer"], strict=True))
+    ratio = statistics.median(
+        a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs["finetune"], runs["trainer"], strict=True)
+    )
     print(f"\n{args.rows} rows, seed {args.seed}, {args.repeats} repeat(s), torch threads: the config's\n")
     print("| | samples/s | dev accuracy | peak RSS MiB | padding | wall s |\n|---|---|---|---|---|---|")
     for n, s in med.items():
-        print(f"| {n} | {s['samples_per_s']:.2f} | {s['accuracy']:.4f} | {s['peak_rss_mib']:,.0f} | "
-              f"{s['padding_fraction']:.3f} | {s['wall_s']:.0f} |")  # fmt: skip
+        print(
+            f"| {n} | {s['samples_per_s']:.2f} | {s['accuracy']:.4f} | {s['peak_rss_mib']:,.0f} | "
+            f"{s['padding_fraction']:.3f} | {s['wall_s']:.0f} |"
+        )
     print(f"\nsamples/s finetune / trainer: {ratio:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

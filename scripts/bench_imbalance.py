@@ -26,11 +26,7 @@ SMS = {
     "class_weights=auto": ["train.class_weights=auto"],
     "focal (gamma 2)": ["train.loss=focal", "train.focal_gamma=2.0"],
 }
-BBC = {
-    "head": [],
-    "head_tail": ["data.truncation=head_tail"],
-    "chunks (stride 32, mean)": ["data.chunk_stride=32"],
-}
+BBC = {"head": [], "head_tail": ["data.truncation=head_tail"], "chunks (stride 32, mean)": ["data.chunk_stride=32"]}
 
 
 def run(config: str, overrides: list[str], out: Path) -> tuple[dict, float]:
@@ -40,8 +36,12 @@ def run(config: str, overrides: list[str], out: Path) -> tuple[dict, float]:
 
 
 def table(title: str, results: dict[str, list[dict]], keys: list[str]) -> str:
-    lines = [f"### {title}", "", "| variant | " + " | ".join(f"{k} (median)" for k in keys) + " | per seed |",
-             "|---" * (len(keys) + 2) + "|"]  # fmt: skip
+    lines = [
+        f"### {title}",
+        "",
+        "| variant | " + " | ".join(f"{k} (median)" for k in keys) + " | per seed |",
+        "|---" * (len(keys) + 2) + "|",
+    ]
     for name, rows in results.items():
         med = [statistics.median(r[k] for r in rows) for k in keys]
         seeds = "; ".join(", ".join(f"{r[k]:.3f}" for k in keys) for r in rows)
@@ -62,28 +62,50 @@ def main() -> int:
     for seed in args.seeds:
         if args.only in (None, "sms"):
             for k, (name, extra) in enumerate(SMS.items()):
-                ev, secs = run("configs/sms-spam-minilm.yaml", [f"run.seed={seed}", f"train.epochs={args.sms_epochs}",
-                                                                *extra], out / f"sms-seed{seed}-variant{k}")
+                ev, secs = run(
+                    "configs/sms-spam-minilm.yaml",
+                    [f"run.seed={seed}", f"train.epochs={args.sms_epochs}", *extra],
+                    out / f"sms-seed{seed}-variant{k}",
+                )
                 spam = ev["per_class"]["spam"]
-                report["sms"][name].append({"spam_f1": spam["f1"], "spam_recall": spam["recall"],
-                                            "macro_f1": ev["macro_f1"], "seconds": secs})  # fmt: skip
+                report["sms"][name].append(
+                    {"spam_f1": spam["f1"], "spam_recall": spam["recall"], "macro_f1": ev["macro_f1"], "seconds": secs}
+                )
                 print(name, seed, report["sms"][name][-1], flush=True)
         if args.only in (None, "bbc"):
             for k, (name, extra) in enumerate(BBC.items()):
-                ev, secs = run("configs/bbc-minilm.yaml", [f"run.seed={seed}", f"train.epochs={args.bbc_epochs}",
-                                                           "data.max_length=128", *extra],
-                               out / f"bbc-seed{seed}-variant{k}")  # fmt: skip
-                report["bbc"][name].append({"accuracy": ev["accuracy"], "macro_f1": ev["macro_f1"],
-                                            "num_samples": ev["num_samples"], "seconds": secs})  # fmt: skip
+                ev, secs = run(
+                    "configs/bbc-minilm.yaml",
+                    [f"run.seed={seed}", f"train.epochs={args.bbc_epochs}", "data.max_length=128", *extra],
+                    out / f"bbc-seed{seed}-variant{k}",
+                )
+                report["bbc"][name].append(
+                    {
+                        "accuracy": ev["accuracy"],
+                        "macro_f1": ev["macro_f1"],
+                        "num_samples": ev["num_samples"],
+                        "seconds": secs,
+                    }
+                )
                 print(name, seed, report["bbc"][name][-1], flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     if any(report["sms"].values()):
-        print(table(f"SMS Spam, {args.sms_epochs} epoch(s), validation split", report["sms"],
-                    ["spam_f1", "spam_recall", "macro_f1", "seconds"]))  # fmt: skip
+        print(
+            table(
+                f"SMS Spam, {args.sms_epochs} epoch(s), validation split",
+                report["sms"],
+                ["spam_f1", "spam_recall", "macro_f1", "seconds"],
+            )
+        )
     if any(report["bbc"].values()):
-        print(table(f"BBC News, max_length 128, {args.bbc_epochs} epoch(s), validation split", report["bbc"],
-                    ["accuracy", "macro_f1", "seconds"]))  # fmt: skip
+        print(
+            table(
+                f"BBC News, max_length 128, {args.bbc_epochs} epoch(s), validation split",
+                report["bbc"],
+                ["accuracy", "macro_f1", "seconds"],
+            )
+        )
     return 0
 
 

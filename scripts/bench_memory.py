@@ -247,7 +247,6 @@ def main() -> int:
                 row["measured_mib"] = meas.peak_bytes / MiB
                 row["measured_categories_mib"] = {k: v / MiB for k, v in meas.categories.items()}
         if cuda and not args.no_memory and not eight_bit:
-
             with torch.random.fork_rng(devices=[]):
                 got = measure_cuda(cfg, micro, acc, tok, names, texts, labels)
             row["cuda_max_allocated_mib"] = got["max_allocated"] / MiB

@@ -44,8 +44,16 @@ def main() -> int:
     model = build_model(cfg, raw.label_names, tok)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     texts = raw.train["text"][: args.micro * (args.repeats + 1)]
-    batches = [tok(texts[i : i + args.micro], padding=True, truncation=True, max_length=cfg.data.max_length,
-                   return_tensors="pt") for i in range(0, len(texts), args.micro)]  # fmt: skip
+    batches = [
+        tok(
+            texts[i : i + args.micro],
+            padding=True,
+            truncation=True,
+            max_length=cfg.data.max_length,
+            return_tensors="pt",
+        )
+        for i in range(0, len(texts), args.micro)
+    ]
 
     def window(batch: dict[str, torch.Tensor]) -> float:
         t0 = time.perf_counter()
@@ -66,8 +74,10 @@ def main() -> int:
         tracker.__exit__(None, None, None)
         tracked.append(time.perf_counter() - t0)
     p, t = statistics.median(plain), statistics.median(tracked)
-    print(f"| threads | micro | plain window s | MemTracker window s | ratio | extra s |\n|---|---|---|---|---|---|\n"
-          f"| {args.threads} | {args.micro} | {p:.2f} | {t:.2f} | {t / p:.2f}x | {t - p:.2f} |")
+    print(
+        f"| threads | micro | plain window s | MemTracker window s | ratio | extra s |\n|---|---|---|---|---|---|\n"
+        f"| {args.threads} | {args.micro} | {p:.2f} | {t:.2f} | {t / p:.2f}x | {t - p:.2f} |"
+    )
     return 0
 
 

@@ -74,8 +74,10 @@ def main() -> None:
 
     def batches(size: int, limit: int | None) -> list[dict]:
         chosen = texts[:limit] if limit else texts
-        return [tok(chosen[i : i + size], padding=True, truncation=True, return_tensors="np")
-                for i in range(0, len(chosen), size)]  # fmt: skip
+        return [
+            tok(chosen[i : i + size], padding=True, truncation=True, return_tensors="np")
+            for i in range(0, len(chosen), size)
+        ]
 
     results, worst, agree, total = {}, 0.0, 0, 0
     for size, limit in ((1, args.batch1), (32, None)):
@@ -105,17 +107,29 @@ def main() -> None:
         }
         r = results[f"batch {size}"]
         r["speedup"] = r["pytorch_median_ms"] / r["onnxruntime_median_ms"]
-    report = {"threads": args.threads, "export_seconds": export_s, "export_check": check, "results": results,
-              "dev_max_abs_logit_diff": worst, "dev_argmax_agreement": agree / total, "dev_texts": total,
-              "torch": torch.__version__, "onnxruntime": onnxruntime.__version__}  # fmt: skip
+    report = {
+        "threads": args.threads,
+        "export_seconds": export_s,
+        "export_check": check,
+        "results": results,
+        "dev_max_abs_logit_diff": worst,
+        "dev_argmax_agreement": agree / total,
+        "dev_texts": total,
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
     Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"export {export_s:.1f} s; dev set ({total} texts): max |logit diff| {worst:.2e}, "
-          f"same argmax {agree / total:.4f}; {args.threads} threads\n")
+    print(
+        f"export {export_s:.1f} s; dev set ({total} texts): max |logit diff| {worst:.2e}, "
+        f"same argmax {agree / total:.4f}; {args.threads} threads\n"
+    )
     print("| batch | batches timed | PyTorch median (p90) ms | ONNX Runtime median (p90) ms | PyTorch / ORT |")
     print("|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        print(f"| {name.split()[1]} | {r['batches']} | {r['pytorch_median_ms']:.2f} ({r['pytorch_p90_ms']:.2f}) | "
-              f"{r['onnxruntime_median_ms']:.2f} ({r['onnxruntime_p90_ms']:.2f}) | {r['speedup']:.2f}x |")
+        print(
+            f"| {name.split()[1]} | {r['batches']} | {r['pytorch_median_ms']:.2f} ({r['pytorch_p90_ms']:.2f}) | "
+            f"{r['onnxruntime_median_ms']:.2f} ({r['onnxruntime_p90_ms']:.2f}) | {r['speedup']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

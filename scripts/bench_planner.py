@@ -36,10 +36,14 @@ from finetune.train import main as train_main  # noqa: E402
 SETTINGS: dict[str, dict[str, Any]] = {
     "full fp32": {},
     "LoRA r=4": {"model.lora": {"r": 4}},
-    "QLoRA 4-bit, bf16, ckpt": {"model.lora": {"r": 4}, "model.quantization": "4bit", "precision.mode": "bf16",
-                                "model.gradient_checkpointing": True},
+    "QLoRA 4-bit, bf16, ckpt": {
+        "model.lora": {"r": 4},
+        "model.quantization": "4bit",
+        "precision.mode": "bf16",
+        "model.gradient_checkpointing": True,
+    },
     "LoRA on an 8-bit base, bf16": {"model.lora": {"r": 4}, "model.quantization": "8bit", "precision.mode": "bf16"},
-}  # fmt: skip
+}
 
 
 # pretrained models of shipped configs (offline: package aliases), beside the tiny random families
@@ -63,8 +67,12 @@ def one(cfg_path: Path, overrides: list[str], run: Path, length: int) -> dict[st
     cfg = load_config(cfg_path, overrides)
     planned = predict_peak(cfg, 8, 2, build_tokenizer(cfg), ["negative", "positive"], seq_len=length)
     loop = report["peak_bytes"]
-    return {"planned_mib": planned.peak_bytes / MiB, "loop_mib": loop / MiB,
-            "error": planned.peak_bytes / loop - 1, "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "planned_mib": planned.peak_bytes / MiB,
+        "loop_mib": loop / MiB,
+        "error": planned.peak_bytes / loop - 1,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def yaml_value(v: Any) -> str:
@@ -76,8 +84,12 @@ def yaml_value(v: Any) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench_planner"))
-    parser.add_argument("--families", nargs="*", default=None,
-                        help="tiny families (default all); minilm = the default model, smollm2 = SmolLM2-135M")
+    parser.add_argument(
+        "--families",
+        nargs="*",
+        default=None,
+        help="tiny families (default all); minilm = the default model, smollm2 = SmolLM2-135M",
+    )
     parser.add_argument("--data-dir", default=None, help="default: FINETUNE_DATA_DIR or ../shared/data")
     parser.add_argument("--settings", nargs="*", default=None, choices=list(SETTINGS), help="default: all")
     args = parser.parse_args()
@@ -102,19 +114,33 @@ def main() -> int:
                 rows = long_rows(data, tok, length, 32, out / f"long_{family}.tsv")
                 if family == "smollm2" and name == "full fp32":  # its config trains LoRA: full fine-tuning drops it
                     setting = {"model.lora": None}
-                overrides = [f"run.output_dir={run}", "run.overwrite=true", f"data.train_file={rows}",
-                             f"data.data_dir={data}", "data.max_eval_samples=16", f"data.max_length={length}",
-                             "data.max_train_samples=32", "train.max_steps=2", "checkpoint.every_steps=2",
-                             "train.micro_batch_size=8", "train.gradient_accumulation_steps=2",
-                             "train.eval_every_steps=null", *(f"{k}={yaml_value(v)}" for k, v in setting.items())]
+                overrides = [
+                    f"run.output_dir={run}",
+                    "run.overwrite=true",
+                    f"data.train_file={rows}",
+                    f"data.data_dir={data}",
+                    "data.max_eval_samples=16",
+                    f"data.max_length={length}",
+                    "data.max_train_samples=32",
+                    "train.max_steps=2",
+                    "checkpoint.every_steps=2",
+                    "train.micro_batch_size=8",
+                    "train.gradient_accumulation_steps=2",
+                    "train.eval_every_steps=null",
+                    *(f"{k}={yaml_value(v)}" for k, v in setting.items()),
+                ]
             else:
                 length = 16
                 kind = FAMILIES[family][0]
                 from transformers import AutoTokenizer
 
                 rows = long_rows(data, AutoTokenizer.from_pretrained(toks[kind]), length, 32, out / f"long_{kind}.tsv")
-                cfg_path = family_config(run.parent, family, toks, **{"data.train_file": str(rows),
-                                         "data.max_length": length, "run.overwrite": True, **setting})
+                cfg_path = family_config(
+                    run.parent,
+                    family,
+                    toks,
+                    **{"data.train_file": str(rows), "data.max_length": length, "run.overwrite": True, **setting},
+                )
                 overrides = []
             row: dict[str, Any] = {"family": family, "setting": name, "tokens": length}
             try:
@@ -129,8 +155,10 @@ def main() -> int:
         if "failed" in r:
             print(f"| {r['family']} | {r['setting']} | - | - | training failed: {r['failed']} |")
         else:
-            print(f"| {r['family']} | {r['setting']} | {r['planned_mib']:,.3f} | {r['loop_mib']:,.3f} | "
-                  f"{100 * r['error']:+.2f}% |")
+            print(
+                f"| {r['family']} | {r['setting']} | {r['planned_mib']:,.3f} | {r['loop_mib']:,.3f} | "
+                f"{100 * r['error']:+.2f}% |"
+            )
     ok = [abs(r["error"]) for r in results if "error" in r]
     print(f"\nworst |error|: {100 * max(ok):.2f}% over {len(ok)} runs ({len(results) - len(ok)} failed)")
     return 0

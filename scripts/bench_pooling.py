@@ -58,8 +58,9 @@ def main() -> None:
         patch_mean_pooling()
     out = Path(args.out) / ("mean" if args.mean else "cls")
     start = time.perf_counter()
-    code = train_main(["--config", args.config, f"run.output_dir={out}", "run.overwrite=true", "log.plots=false",
-                       *args.overrides])  # fmt: skip
+    code = train_main(
+        ["--config", args.config, f"run.output_dir={out}", "run.overwrite=true", "log.plots=false", *args.overrides]
+    )
     final = json.loads((out / "eval.json").read_text())
     keep = {k: v for k, v in final.items() if isinstance(v, float)}
     print(json.dumps({"pooling": "mean" if args.mean else "cls", "wall_s": time.perf_counter() - start, **keep}))

@@ -33,13 +33,20 @@ def one_cell(mode: str, compiled: bool, args: argparse.Namespace) -> dict[str, A
     run_dir = args.work / f"{mode}-{'compile' if compiled else 'eager'}"
     log_every = max(1, args.steps // 10)
     overrides = [
-        f"precision.mode={mode}", f"model.compile={str(compiled).lower()}",
-        f"data.max_train_samples={args.steps * 32}", f"train.max_steps={args.steps}", "train.micro_batch_size=32",
-        "train.gradient_accumulation_steps=1", f"data.max_length={args.max_length}",
+        f"precision.mode={mode}",
+        f"model.compile={str(compiled).lower()}",
+        f"data.max_train_samples={args.steps * 32}",
+        f"train.max_steps={args.steps}",
+        "train.micro_batch_size=32",
+        "train.gradient_accumulation_steps=1",
+        f"data.max_length={args.max_length}",
         f"train.log_every_steps={log_every}",
-        "train.eval_every_steps=null", "checkpoint.every_steps=null", f"data.max_eval_samples={args.eval_samples}",
-        *([f"model.name_or_path={args.model}"] if args.model else []), *args.override,
-    ]  # fmt: skip
+        "train.eval_every_steps=null",
+        "checkpoint.every_steps=null",
+        f"data.max_eval_samples={args.eval_samples}",
+        *([f"model.name_or_path={args.model}"] if args.model else []),
+        *args.override,
+    ]
     child = train_run(CONFIG, overrides, run_dir, check=False)
     cell: dict[str, Any] = {"mode": mode, "compile": compiled, "wall_s": child.wall_s}
     if child.error is not None:

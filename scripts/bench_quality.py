@@ -78,15 +78,19 @@ def bench(tasks: list[str], seeds: list[int], settings: list[str], work: Path, o
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    lines = ["| task (config) | metric | median | goal | anchor | wall s (median) | per seed: value [95% CI], s |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| task (config) | metric | median | goal | anchor | wall s (median) | per seed: value [95% CI], s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for task, rows in results.items():
         if not rows:
             continue
         config, key, goal, anchor = TASKS[task]
         med = statistics.median(r[key] for r in rows)
-        per = "; ".join(f"{r[key]:.4f}" + (f" [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" if r["ci"] else "")
-                        + f", {r['wall_s']:.0f}" for r in rows)  # fmt: skip
+        per = "; ".join(
+            f"{r[key]:.4f}" + (f" [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" if r["ci"] else "") + f", {r['wall_s']:.0f}"
+            for r in rows
+        )
         if task == "stsb":
             per += "; Pearson after 60 steps: " + ", ".join(f"{r['pearson_at_60']:.3f}" for r in rows)
         wall = statistics.median(r["wall_s"] for r in rows)
@@ -107,8 +111,12 @@ def _arrays(rows: list[dict], names: list[str]) -> tuple[np.ndarray, np.ndarray]
 
 
 def _per_label(y: np.ndarray, p: np.ndarray) -> np.ndarray:
-    return np.array([GRID[int(np.argmax([f1_score(y[:, j], p[:, j] >= t, zero_division=0) for t in GRID]))]
-                     for j in range(y.shape[1])])  # fmt: skip
+    return np.array(
+        [
+            GRID[int(np.argmax([f1_score(y[:, j], p[:, j] >= t, zero_division=0) for t in GRID]))]
+            for j in range(y.shape[1])
+        ]
+    )
 
 
 def _with_top(p: np.ndarray, pred: np.ndarray) -> np.ndarray:
@@ -131,14 +139,19 @@ def rules(run_dir: Path) -> str:
         "per-label thresholds + at least the top label": lambda p: _with_top(p, p >= per[None, :]),
         f"global {best_global:.2f} + at least the top label": lambda p: _with_top(p, p >= best_global),
     }
-    lines = ["| decision rule | validation macro-F1 | validation micro-F1 | test macro-F1 | test micro-F1 | "
-             f"test labels per text (gold {yt.sum(1).mean():.2f}) |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| decision rule | validation macro-F1 | validation micro-F1 | test macro-F1 | test micro-F1 | "
+        f"test labels per text (gold {yt.sum(1).mean():.2f}) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, rule in candidates.items():
         v, t = rule(pv), rule(pt)
-        lines.append(f"| {name} | {f1_score(yv, v, average='macro', zero_division=0):.4f} | "
-                     f"{f1_score(yv, v, average='micro', zero_division=0):.4f} | "
-                     f"{f1_score(yt, t, average='macro', zero_division=0):.4f} | "
-                     f"{f1_score(yt, t, average='micro', zero_division=0):.4f} | {t.sum(1).mean():.2f} |")
+        lines.append(
+            f"| {name} | {f1_score(yv, v, average='macro', zero_division=0):.4f} | "
+            f"{f1_score(yv, v, average='micro', zero_division=0):.4f} | "
+            f"{f1_score(yt, t, average='macro', zero_division=0):.4f} | "
+            f"{f1_score(yt, t, average='micro', zero_division=0):.4f} | {t.sum(1).mean():.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -156,9 +169,12 @@ def main() -> None:
         return
     start = time.perf_counter()
     results = bench(args.tasks, args.seeds, args.set, args.work, args.out)
-    print(f"\n{table(results)}\n\ncommand: scripts/bench_quality.py --tasks {' '.join(args.tasks)} --seeds "
-          f"{' '.join(map(str, args.seeds))}" + (f" --set {' '.join(args.set)}" if args.set else "")
-          + f"; total {time.perf_counter() - start:.0f} s; root {ROOT}")  # fmt: skip
+    print(
+        f"\n{table(results)}\n\ncommand: scripts/bench_quality.py --tasks {' '.join(args.tasks)} --seeds "
+        f"{' '.join(map(str, args.seeds))}"
+        + (f" --set {' '.join(args.set)}" if args.set else "")
+        + f"; total {time.perf_counter() - start:.0f} s; root {ROOT}"
+    )
 
 
 if __name__ == "__main__":

@@ -45,16 +45,23 @@ def main() -> None:
         for i, (name, overrides) in enumerate(variants.items()):
             settings = [f"run.seed={seed}", "run.num_threads=1", *overrides]
             final, wall = run(args.config, settings, Path(args.work) / f"s{seed}-v{i}")
-            row = {"seed": seed, "accuracy": final["accuracy"], "accuracy_ci": final.get("accuracy_ci"),
-                   "macro_f1": final["macro_f1"], "wall_s": wall}  # fmt: skip
+            row = {
+                "seed": seed,
+                "accuracy": final["accuracy"],
+                "accuracy_ci": final.get("accuracy_ci"),
+                "macro_f1": final["macro_f1"],
+                "wall_s": wall,
+            }
             results[name].append(row)
             print(f"seed {seed} {name}: accuracy {row['accuracy']:.4f} {row['accuracy_ci']} {wall:.0f} s", flush=True)
             Path(args.out).write_text(json.dumps({"config": args.config, "results": results}, indent=2))
     print("\n| recipe | dev accuracy (median) | wall s (median) | per seed: accuracy [95% CI], s |")
     print("|---|---|---|---|")
     for name, rows in results.items():
-        per = "; ".join(f"{r['accuracy']:.4f} [{r['accuracy_ci'][0]:.3f}, {r['accuracy_ci'][1]:.3f}], "
-                        f"{r['wall_s']:.0f}" for r in rows)  # fmt: skip
+        per = "; ".join(
+            f"{r['accuracy']:.4f} [{r['accuracy_ci'][0]:.3f}, {r['accuracy_ci'][1]:.3f}], {r['wall_s']:.0f}"
+            for r in rows
+        )
         acc, wall = statistics.median(r["accuracy"] for r in rows), statistics.median(r["wall_s"] for r in rows)
         print(f"| {name} | {acc:.4f} | {wall:.0f} | {per} |")
 

@@ -70,14 +70,25 @@ def main() -> int:
     accelerate = str(Path(PY).parent / "accelerate")
     paths = {
         "python finetune/train.py": [PY, "finetune/train.py", *run],
-        "accelerate launch finetune/train.py": [accelerate, "launch", "--num_processes", "1", "--cpu",
-                                                "finetune/train.py", *run],
-    }  # fmt: skip
+        "accelerate launch finetune/train.py": [
+            accelerate,
+            "launch",
+            "--num_processes",
+            "1",
+            "--cpu",
+            "finetune/train.py",
+            *run,
+        ],
+    }
     ref_root = None
     if args.compare_ref:
         ref_root = out_dir / "ref"
-        subprocess.run(["git", "worktree", "add", "--detach", str(ref_root), args.compare_ref], cwd=ROOT, check=True,
-                       capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(ref_root), args.compare_ref],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
     results: dict[str, list[float]] = {name: [] for name in paths}
     results["import finetune.train"] = []
     if ref_root is not None:

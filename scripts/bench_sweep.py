@@ -28,20 +28,28 @@ def main() -> None:
     print("|---:|---|" + "---:|" * (len(keys) + 3))
     total = 0.0
     for t in study.trials:
-        values = " | ".join(f"{t.params[k]:.3g}" if isinstance(t.params.get(k), float) else str(t.params.get(k))
-                            for k in keys)  # fmt: skip
+        values = " | ".join(
+            f"{t.params[k]:.3g}" if isinstance(t.params.get(k), float) else str(t.params.get(k)) for k in keys
+        )
         note = root / f"trial-{t.number:03d}" / "trial.json"
         step = json.loads(note.read_text()).get("step") if note.is_file() else None
-        value = t.value if t.value is not None else (t.intermediate_values[max(t.intermediate_values)]
-                                                     if t.intermediate_values else None)  # fmt: skip
+        value = (
+            t.value
+            if t.value is not None
+            else (t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else None)
+        )
         wall = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else None
         total += wall or 0.0
         shown = "-" if value is None else f"{value:.4f}"
-        print(f"| {t.number} | {t.state.name.lower()} | {values} | {shown} | {step or '-'} | "
-              f"{'-' if wall is None else f'{wall:.0f}'} |")
+        print(
+            f"| {t.number} | {t.state.name.lower()} | {values} | {shown} | {step or '-'} | "
+            f"{'-' if wall is None else f'{wall:.0f}'} |"
+        )
     best = study.best_trial
-    print(f"\nbest: trial {best.number}, {best.value:.4f}; trial 0 (the config as shipped): "
-          f"{study.trials[0].value}; {len(study.trials)} trials, {total / 60:.1f} min of trials")
+    print(
+        f"\nbest: trial {best.number}, {best.value:.4f}; trial 0 (the config as shipped): "
+        f"{study.trials[0].value}; {len(study.trials)} trials, {total / 60:.1f} min of trials"
+    )
 
 
 if __name__ == "__main__":

@@ -525,8 +525,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write all results here")
-    p.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="overrides for finetune alone: recipes Trainer has no option for (train.layer_lr_decay=0.8)")
+    p.add_argument(
+        "--ours",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides for finetune alone: recipes Trainer has no option for (train.layer_lr_decay=0.8)",
+    )
     p.add_argument("override", nargs="*", help="extra finetune overrides (dotted.key=value) for every contestant")
     args = p.parse_args(argv)
     if args.threads:

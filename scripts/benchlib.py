@@ -52,8 +52,15 @@ def train_run(config: str | Path, overrides: list[str], run_dir: Path, *, check:
     offline, from the project root; with `check`, a failure ends the script with the child's stderr."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
-    cmd = [sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(config),
-           f"run.output_dir={run_dir}", "run.overwrite=true", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "finetune" / "train.py"),
+        "--config",
+        str(config),
+        f"run.output_dir={run_dir}",
+        "run.overwrite=true",
+        *overrides,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start

@@ -147,9 +147,7 @@ def main() -> int:
         print(ref_log.read_text()[-3000:], file=sys.stderr)
         return 1
     train_s = time.monotonic() - t_train
-    total_steps = max(
-        r["step"] for r in read_jsonl(out / "reference" / "metrics.jsonl")
-    )
+    total_steps = max(r["step"] for r in read_jsonl(out / "reference" / "metrics.jsonl"))
     step_s = train_s / total_steps
     print(
         f"reference: {time.monotonic() - t0:.0f} s ({total_steps} steps, {step_s:.1f} s per step with saves)",

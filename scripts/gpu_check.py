@@ -92,8 +92,16 @@ from finetune.planner import predict_peak  # noqa: E402
 PEAK_BF16_FLOPS = 790e12  # KINDS.md: an 8192^3 bf16 matmul ran at 769-798 TFLOP/s on random data
 LABELS = ["negative", "positive"]
 # the packages finetune imports that the GPU machine's image lacks (KINDS.md), at this venv's versions
-WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "datasets",
-          "dill", "multiprocess")  # fmt: skip
+WHEELS = (
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "datasets",
+    "dill",
+    "multiprocess",
+)
 # rungs of scripts/bench_memory.py in the issue's order: fp32 -> bf16 -> accumulation -> checkpointing ->
 # bf16-true -> LoRA
 LADDER = (0, 1, 2, 3, 6, 4)
@@ -125,8 +133,14 @@ def shapes(dry_run: bool) -> dict[str, Shape]:
     minilm = {"vocab_size": 30522, **yaml.safe_load(MINILM_ARCH.split("=", 1)[1])}
     qwen = yaml.safe_load((ROOT / "configs" / "qwen2.5-0.5b-lora.yaml").read_text())["model"]["plan_architecture"]
     if dry_run:
-        tiny = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-                "vocab_size": 400, "max_position_embeddings": 64}  # fmt: skip
+        tiny = {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "vocab_size": 400,
+            "max_position_embeddings": 64,
+        }
         minilm = {**minilm, **tiny}
         qwen = {**qwen, **tiny, "num_key_value_heads": 1}
         return {
@@ -135,9 +149,20 @@ def shapes(dry_run: bool) -> dict[str, Shape]:
         }
     return {
         "minilm": Shape("minilm", "encoder", minilm, 128, 32, 300, 1e-4, ALL_MODES, LADDER, 512, 15),
-        "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "decoder", qwen, 128, 32, 40, 5e-5,
-                              ("bf16", "bf16-true", "fp32", "fp16", "bf16 compile"), (2, 3, 6, 4), 64, 30),
-    }  # fmt: skip
+        "qwen2.5-0.5b": Shape(
+            "qwen2.5-0.5b",
+            "decoder",
+            qwen,
+            128,
+            32,
+            40,
+            5e-5,
+            ("bf16", "bf16-true", "fp32", "fp16", "bf16 compile"),
+            (2, 3, 6, 4),
+            64,
+            30,
+        ),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,8 +184,13 @@ def word_tokenizer(vocab_size: int, kind: str, out: Path) -> Path:
         tok.post_processor = processors.TemplateProcessing(
             single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
         )
-        named = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
-                 "mask_token": "[MASK]"}  # fmt: skip
+        named = {
+            "pad_token": "[PAD]",
+            "unk_token": "[UNK]",
+            "cls_token": "[CLS]",
+            "sep_token": "[SEP]",
+            "mask_token": "[MASK]",
+        }
     else:
         named = {"eos_token": specials[0]}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_input_names=["input_ids", "attention_mask"], **named)
@@ -209,15 +239,29 @@ class Workload:
         raw = {
             "run": {"output_dir": str(self.work / "run"), "seed": 0, "overwrite": True},
             "model": {"name_or_path": None, "tokenizer": str(self.tokenizer_dir), "architecture": s.arch},
-            "data": {"data_dir": str(self.work), "train_file": self.train_file.name, "format": "tsv",
-                     "quoting": "none", "text_column": "sentence", "label_column": "label",
-                     "label_map": {"0": LABELS[0], "1": LABELS[1]}, "max_length": s.max_length},
-            "train": {"epochs": 1, "micro_batch_size": s.micro, "gradient_accumulation_steps": 1,
-                      "learning_rate": s.lr, "warmup_ratio": 0.06, "max_steps": s.steps,
-                      "log_every_steps": max(1, s.steps // 10), "eval_every_steps": None},
+            "data": {
+                "data_dir": str(self.work),
+                "train_file": self.train_file.name,
+                "format": "tsv",
+                "quoting": "none",
+                "text_column": "sentence",
+                "label_column": "label",
+                "label_map": {"0": LABELS[0], "1": LABELS[1]},
+                "max_length": s.max_length,
+            },
+            "train": {
+                "epochs": 1,
+                "micro_batch_size": s.micro,
+                "gradient_accumulation_steps": 1,
+                "learning_rate": s.lr,
+                "warmup_ratio": 0.06,
+                "max_steps": s.steps,
+                "log_every_steps": max(1, s.steps // 10),
+                "eval_every_steps": None,
+            },
             "precision": {"mode": "fp32"},
             "log": {"plots": False},
-        }  # fmt: skip
+        }
         self.base.write_text(yaml.safe_dump(raw, sort_keys=False))
 
     def config(self, name: str, overrides: list[str]) -> Config:
@@ -344,15 +388,21 @@ def train_row(w: Workload, name: str, overrides: list[str]) -> dict[str, Any]:
     shutil.rmtree(run / "final", ignore_errors=True)  # a Qwen-sized export is 2 GB of the machine's disk
     cuda = {k: v for k, v in (report.get("cuda") or {}).items() if k != "memory_summary"}
     return {
-        "wall_s": wall, "steps": train_rows[-1]["step"], "samples_per_s": rate, "first_interval_s": first,
-        "memtracker_steps": sorted(tracked), "samples_per_s_untracked": untracked,
-        "first_loss": train_rows[0]["loss"], "last_loss": train_rows[-1]["loss"],
+        "wall_s": wall,
+        "steps": train_rows[-1]["step"],
+        "samples_per_s": rate,
+        "first_interval_s": first,
+        "memtracker_steps": sorted(tracked),
+        "samples_per_s_untracked": untracked,
+        "first_loss": train_rows[0]["loss"],
+        "last_loss": train_rows[-1]["loss"],
         "compile_graphs": train_rows[-1].get("compile_graphs"),
         "recompile_limit_hits": train_rows[-1].get("compile_recompile_limit_hits", 0),
-        "fp16_skipped_steps": train_rows[-1].get("fp16_skipped_steps"), "loss_scale": train_rows[-1].get("loss_scale"),
+        "fp16_skipped_steps": train_rows[-1].get("fp16_skipped_steps"),
+        "loss_scale": train_rows[-1].get("loss_scale"),
         "peak_memory_mib": max((r.get("peak_memory_bytes") or 0) for r in train_rows) / MiB,
         "allocator": cuda or None,
-    }  # fmt: skip
+    }
 
 
 def precision_section(
@@ -365,8 +415,13 @@ def precision_section(
     fpt = flops_per_token(cfg, tok, mean_tokens)
     first = len(rows)
     for mode in w.shape.modes:
-        row: dict[str, Any] = {"model": w.shape.name, "mode": mode, "micro": w.shape.micro,
-                               "max_length": w.shape.max_length, "mean_tokens": mean_tokens}  # fmt: skip
+        row: dict[str, Any] = {
+            "model": w.shape.name,
+            "mode": mode,
+            "micro": w.shape.micro,
+            "max_length": w.shape.max_length,
+            "mean_tokens": mean_tokens,
+        }
         if clock.left() < max(3, w.shape.row_s * (4 if "compile" in mode else 1)):
             row["skipped"] = "time cap of the precision section"
         elif mode == "fp16" and not torch.cuda.is_available():
@@ -488,8 +543,15 @@ def expandable_rows(w: Workload, rungs: list[int], clock: Clock, out: Path) -> l
         return [{"skipped": "time cap of the memory section"} for _ in rungs]
     result = out / f"expandable-{w.shape.name}.json"
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    cmd = [sys.executable, __file__, "--memory-child", w.shape.name, str(w.work), ",".join(map(str, rungs)),
-           str(result)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--memory-child",
+        w.shape.name,
+        str(w.work),
+        ",".join(map(str, rungs)),
+        str(result),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
     except subprocess.TimeoutExpired:
@@ -504,8 +566,16 @@ def expandable_rows(w: Workload, rungs: list[int], clock: Clock, out: Path) -> l
 # 3. Trainer side by side, and the OOM backoff.
 
 
-def trainer_run(w: Workload, mode: str, grouped: bool, steps: int, micro: int, train_file: Path,
-                auto_batch: bool = False, simulate_cap: int | None = None) -> dict[str, Any]:  # fmt: skip
+def trainer_run(
+    w: Workload,
+    mode: str,
+    grouped: bool,
+    steps: int,
+    micro: int,
+    train_file: Path,
+    auto_batch: bool = False,
+    simulate_cap: int | None = None,
+) -> dict[str, Any]:
     """transformers.Trainer as a user writes it (DataCollatorWithPadding, TrainingArguments defaults
     plus finetune's hyper-parameters) on the same rows, model and initialisation."""
     from accelerate.state import AcceleratorState
@@ -516,8 +586,10 @@ def trainer_run(w: Workload, mode: str, grouped: bool, steps: int, micro: int, t
     lines = train_file.read_text(encoding="utf-8").splitlines()[1:]
     texts, labels = [x.split("\t")[0] for x in lines], [int(x.split("\t")[1]) for x in lines]
     enc = tok(texts, truncation=True, max_length=cfg.data.max_length)
-    dataset = [{"input_ids": i, "attention_mask": a, "labels": y}
-               for i, a, y in zip(enc["input_ids"], enc["attention_mask"], labels, strict=True)]  # fmt: skip
+    dataset = [
+        {"input_ids": i, "attention_mask": a, "labels": y}
+        for i, a, y in zip(enc["input_ids"], enc["attention_mask"], labels, strict=True)
+    ]
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg, LABELS, tok)
     if simulate_cap is not None:  # the CPU dry run: a batch above the cap fails as CUDA's allocator would
@@ -545,14 +617,28 @@ def trainer_run(w: Workload, mode: str, grouped: bool, steps: int, micro: int, t
     hp = shared_hparams(cfg, steps)
     with tempfile.TemporaryDirectory(prefix="gpu-check-trainer-") as tmp:
         args = TrainingArguments(
-            output_dir=tmp, report_to="none", save_strategy="no", disable_tqdm=True, logging_strategy="no",
-            max_steps=steps, bf16=mode == "bf16", fp16=mode == "fp16", use_cpu=not torch.cuda.is_available(),
+            output_dir=tmp,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            logging_strategy="no",
+            max_steps=steps,
+            bf16=mode == "bf16",
+            fp16=mode == "fp16",
+            use_cpu=not torch.cuda.is_available(),
             auto_find_batch_size=auto_batch,
-            **({"train_sampling_strategy": "group_by_length"} if grouped else {}), **hp,
-        )  # fmt: skip
+            **({"train_sampling_strategy": "group_by_length"} if grouped else {}),
+            **hp,
+        )
         AcceleratorState._reset_state()  # Accelerate keeps the first Accelerator's precision per process
-        trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=DataCollatorWithPadding(tok),
-                          processing_class=tok, callbacks=[Marks()])  # fmt: skip
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=dataset,
+            data_collator=DataCollatorWithPadding(tok),
+            processing_class=tok,
+            callbacks=[Marks()],
+        )
         release()
         trainer.train()
         batch = int(trainer._train_batch_size)
@@ -628,8 +714,10 @@ def memory_cap(w: Workload, micro: int) -> Iterator[dict[str, Any]]:
     release()
     total = torch.cuda.get_device_properties(0).total_memory
     cap = torch.cuda.memory_allocated() + (hi + lo) // 2
-    info.update(cap=f"set_per_process_memory_fraction({cap / total:.5f}) = {cap / MiB:,.0f} MiB",
-                planned_mib={micro: hi / MiB, micro // 2: lo / MiB})  # fmt: skip
+    info.update(
+        cap=f"set_per_process_memory_fraction({cap / total:.5f}) = {cap / MiB:,.0f} MiB",
+        planned_mib={micro: hi / MiB, micro // 2: lo / MiB},
+    )
     torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
         yield info
@@ -646,11 +734,23 @@ def oom_section(w: Workload, clock: Clock) -> list[dict[str, Any]]:
     if clock.left() < 20:
         return [{"model": w.shape.name, "skipped": "time cap of the OOM section"}]
     with memory_cap(w, micro) as info:
-        row: dict[str, Any] = {"model": w.shape.name, "contestant": "finetune", "micro_asked": micro,
-                               "effective_before": micro, "cap": info["cap"]}  # fmt: skip
+        row: dict[str, Any] = {
+            "model": w.shape.name,
+            "contestant": "finetune",
+            "micro_asked": micro,
+            "effective_before": micro,
+            "cap": info["cap"],
+        }
         try:
-            cfg = w.config("oom-finetune", ["precision.mode=bf16", f"data.train_file={w.fixed_file.name}",
-                                            f"train.micro_batch_size={micro}", "train.max_steps=3"])  # fmt: skip
+            cfg = w.config(
+                "oom-finetune",
+                [
+                    "precision.mode=bf16",
+                    f"data.train_file={w.fixed_file.name}",
+                    f"train.micro_batch_size={micro}",
+                    "train.max_steps=3",
+                ],
+            )
             train(cfg)
             summary = json.loads((Path(cfg.run.output_dir) / "memory.json").read_text())["config"]
             row.update(
@@ -661,11 +761,24 @@ def oom_section(w: Workload, clock: Clock) -> list[dict[str, Any]]:
             row["error"] = one_line(exc)
         rows.append(row)
         release()
-        row = {"model": w.shape.name, "contestant": "Trainer, auto_find_batch_size", "micro_asked": micro,
-               "effective_before": micro, "cap": info["cap"]}  # fmt: skip
+        row = {
+            "model": w.shape.name,
+            "contestant": "Trainer, auto_find_batch_size",
+            "micro_asked": micro,
+            "effective_before": micro,
+            "cap": info["cap"],
+        }
         try:
-            got = trainer_run(w, "bf16", False, 3, micro, w.fixed_file, auto_batch=True,
-                              simulate_cap=None if torch.cuda.is_available() else micro // 2)  # fmt: skip
+            got = trainer_run(
+                w,
+                "bf16",
+                False,
+                3,
+                micro,
+                w.fixed_file,
+                auto_batch=True,
+                simulate_cap=None if torch.cuda.is_available() else micro // 2,
+            )
             row.update(
                 micro_after=got["batch_size_after"], accumulation_after=1, effective_after=got["batch_size_after"]
             )
@@ -742,9 +855,19 @@ def memory_table(rows: list[dict[str, Any]]) -> list[str]:
     """One row per rung: plan, allocator, expandable segments."""
     lines = table_head(
         "Memory: the plan against the allocator (second window, worst case max_length tokens per row)",
-        ["model", "rung", "micro x accum", "plan MiB", "measured MiB", "plan / measured", "within 10%",
-         "reserved MiB", "frag MiB", "expandable: measured / reserved / frag MiB"],
-    )  # fmt: skip
+        [
+            "model",
+            "rung",
+            "micro x accum",
+            "plan MiB",
+            "measured MiB",
+            "plan / measured",
+            "within 10%",
+            "reserved MiB",
+            "frag MiB",
+            "expandable: measured / reserved / frag MiB",
+        ],
+    )
     for r in rows:
         head = f"| {r['model']} | {r['rung']} | {r['micro']} x {r['accumulation']} |"
         if "skipped" in r:
@@ -768,9 +891,15 @@ def trainer_table(rows: list[dict[str, Any]]) -> list[str]:
     """finetune's bf16 run next to Trainer's."""
     lines = table_head(
         "Side by side with transformers.Trainer (same model, rows, steps, precision)",
-        ["model", "precision", "contestant", "samples/s (finetune: untracked)", "finetune / this",
-         "finetune untracked / this"],
-    )  # fmt: skip
+        [
+            "model",
+            "precision",
+            "contestant",
+            "samples/s (finetune: untracked)",
+            "finetune / this",
+            "finetune untracked / this",
+        ],
+    )
     for r in rows:
         untracked = f" ({_f(r['samples_per_s_untracked'])})" if "samples_per_s_untracked" in r else ""
         lines.append(
@@ -785,9 +914,17 @@ def oom_table(rows: list[dict[str, Any]]) -> list[str]:
     """The out-of-memory backoff of both."""
     lines = table_head(
         "Out-of-memory backoff at a micro-batch that does not fit",
-        ["model", "contestant", "cap", "micro asked", "after", "accumulation after",
-         "effective batch before -> after", "kept"],
-    )  # fmt: skip
+        [
+            "model",
+            "contestant",
+            "cap",
+            "micro asked",
+            "after",
+            "accumulation after",
+            "effective batch before -> after",
+            "kept",
+        ],
+    )
     for r in rows:
         if _why(r) and "contestant" not in r:
             lines.append(f"| {r['model']} | {_why(r)} |" + " |" * 6)
@@ -822,10 +959,15 @@ def environment() -> dict[str, Any]:
     import transformers
 
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-            "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-            "cuda": torch.version.cuda if cuda else None, "python": sys.version.split()[0],
-            "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None}  # fmt: skip
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "python": sys.version.split()[0],
+        "bitsandbytes": importlib.util.find_spec("bitsandbytes") is not None,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -836,10 +978,26 @@ def prepare(directory: Path) -> int:
     """Download the wheels the GPU machine lacks (Python 3.12, x86-64) at this venv's versions."""
     directory.mkdir(parents=True, exist_ok=True)
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in WHEELS]
-    platforms = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-                 for a in ("--platform", p)]  # fmt: skip
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-           "3.12", "--implementation", "cp", *platforms, "-d", str(directory), *pins]  # fmt: skip
+    platforms = [
+        a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64") for a in ("--platform", p)
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        str(directory),
+        *pins,
+    ]
     proc = subprocess.run(cmd)
     size = sum(p.stat().st_size for p in directory.glob("*.whl"))
     print(f"{len(list(directory.glob('*.whl')))} wheels, {size / MiB:.1f} MiB in {directory}: {' '.join(pins)}")
@@ -880,8 +1038,14 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
     # share of the budget per (section, model): the precision runs carry the speed numbers
-    caps = {("precision", "minilm"): 0.32, ("precision", "qwen2.5-0.5b"): 0.18, ("memory", "minilm"): 0.16,
-            ("memory", "qwen2.5-0.5b"): 0.1, ("trainer", "minilm"): 0.08, ("oom", "minilm"): 0.1}  # fmt: skip
+    caps = {
+        ("precision", "minilm"): 0.32,
+        ("precision", "qwen2.5-0.5b"): 0.18,
+        ("memory", "minilm"): 0.16,
+        ("memory", "qwen2.5-0.5b"): 0.1,
+        ("trainer", "minilm"): 0.08,
+        ("oom", "minilm"): 0.1,
+    }
     result: dict[str, Any] = {
         "dry_run": args.dry_run,
         "environment": environment(),
@@ -907,8 +1071,11 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "gpu_check.md").write_text(markdown(result))
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        loads = {name: workload(s, Path(tmp) / name) for name, s in shapes(args.dry_run).items()
-                 if args.models is None or name in args.models}  # fmt: skip
+        loads = {
+            name: workload(s, Path(tmp) / name)
+            for name, s in shapes(args.dry_run).items()
+            if args.models is None or name in args.models
+        }
         # what is alive now (torch, transformers, the tokenizers) lives to the end: later collections
         # (Trainer's and Accelerate's after every try of a batch size) need not walk it again
         gc.freeze()

@@ -119,10 +119,18 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
 # plain SGD (no momentum, decay, clipping or schedule) in windows of 16, 16 and 8 samples: every step is
 # w <- w - 1.0 x (the window's full-batch gradient), computable by a plain-torch reference
 PLAIN_SGD = {
-    "train.optimizer": "sgd", "train.momentum": 0.0, "train.weight_decay": 0.0, "train.max_grad_norm": None,
-    "train.lr_scheduler": "constant", "train.warmup_ratio": 0.0, "train.learning_rate": 1.0, "train.epochs": 1,
-    "train.micro_batch_size": 8, "train.gradient_accumulation_steps": 2, "data.max_train_samples": 40,
-}  # fmt: skip
+    "train.optimizer": "sgd",
+    "train.momentum": 0.0,
+    "train.weight_decay": 0.0,
+    "train.max_grad_norm": None,
+    "train.lr_scheduler": "constant",
+    "train.warmup_ratio": 0.0,
+    "train.learning_rate": 1.0,
+    "train.epochs": 1,
+    "train.micro_batch_size": 8,
+    "train.gradient_accumulation_steps": 2,
+    "data.max_train_samples": 40,
+}
 
 
 def sgd_from_saved_start(directory: Path, updates: dict[str, Any], seed: int) -> tuple[Any, Any, Any, Any, Path]:

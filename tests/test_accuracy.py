@@ -26,24 +26,61 @@ from finetune.tasks import PROBLEM_TYPES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_ENC = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "intermediate_size": 64,
-        "max_position_embeddings": 64, "vocab_size": 100}  # fmt: skip
+_ENC = {
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+    "vocab_size": 100,
+}
 # model_type -> (architecture, {where: regex on the parameter name}); a numbered group is a layer
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
-    "bert": (_ENC, {"head": r"^classifier\.", "top": r"^bert\.pooler\.", "layer": r"^bert\.encoder\.layer\.(\d+)\.",
-                    "embeddings": r"^bert\.embeddings\."}),
-    "distilbert": ({"dim": 32, "n_layers": 3, "n_heads": 2, "hidden_dim": 64, "max_position_embeddings": 64,
-                    "vocab_size": 100},
-                   {"head": r"^(pre_)?classifier\.", "layer": r"^distilbert\.transformer\.layer\.(\d+)\.",
-                    "embeddings": r"^distilbert\.embeddings\."}),
-    "llama": ({**_ENC, "num_key_value_heads": 1, "head_dim": 16, "pad_token_id": 0},
-              {"head": r"^score\.", "layer": r"^model\.layers\.(\d+)\.", "embeddings": r"^model\.embed_tokens\.",
-               "top": r"^model\.norm\."}),
-    "modernbert": ({**_ENC, "local_attention": 16, "global_attn_every_n_layers": 2, "pad_token_id": 0,
-                    "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2},
-                   {"head": r"^(head|classifier)\.", "layer": r"^model\.layers\.(\d+)\.",
-                    "embeddings": r"^model\.embeddings\.", "top": r"^model\.final_norm\."}),
-}  # fmt: skip
+    "bert": (
+        _ENC,
+        {
+            "head": r"^classifier\.",
+            "top": r"^bert\.pooler\.",
+            "layer": r"^bert\.encoder\.layer\.(\d+)\.",
+            "embeddings": r"^bert\.embeddings\.",
+        },
+    ),
+    "distilbert": (
+        {"dim": 32, "n_layers": 3, "n_heads": 2, "hidden_dim": 64, "max_position_embeddings": 64, "vocab_size": 100},
+        {
+            "head": r"^(pre_)?classifier\.",
+            "layer": r"^distilbert\.transformer\.layer\.(\d+)\.",
+            "embeddings": r"^distilbert\.embeddings\.",
+        },
+    ),
+    "llama": (
+        {**_ENC, "num_key_value_heads": 1, "head_dim": 16, "pad_token_id": 0},
+        {
+            "head": r"^score\.",
+            "layer": r"^model\.layers\.(\d+)\.",
+            "embeddings": r"^model\.embed_tokens\.",
+            "top": r"^model\.norm\.",
+        },
+    ),
+    "modernbert": (
+        {
+            **_ENC,
+            "local_attention": 16,
+            "global_attn_every_n_layers": 2,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "cls_token_id": 1,
+            "sep_token_id": 2,
+        },
+        {
+            "head": r"^(head|classifier)\.",
+            "layer": r"^model\.layers\.(\d+)\.",
+            "embeddings": r"^model\.embeddings\.",
+            "top": r"^model\.final_norm\.",
+        },
+    ),
+}
 
 
 def _expected_lr(name: str, layout: dict[str, str], lr: float, head_lr: float, decay: float, layers: int) -> float:
@@ -94,8 +131,12 @@ def test_groups_reach_the_optimizer_one_sgd_step(tmp_path: Path) -> None:
     model(input_ids=torch.tensor([[1, 5, 7, 2]]), labels=torch.tensor([1])).loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     optimizer.step()
-    for name, rate in (("bert.encoder.layer.2.output.dense.weight", 0.05), ("bert.encoder.layer.0.output.dense.weight",
-                       0.0125), ("bert.embeddings.word_embeddings.weight", 0.00625), ("classifier.weight", 0.1)):
+    for name, rate in (
+        ("bert.encoder.layer.2.output.dense.weight", 0.05),
+        ("bert.encoder.layer.0.output.dense.weight", 0.0125),
+        ("bert.embeddings.word_embeddings.weight", 0.00625),
+        ("classifier.weight", 0.1),
+    ):
         after = dict(model.named_parameters())[name].detach()
         torch.testing.assert_close(after, before[name] - rate * grads[name], rtol=0, atol=1e-7)
 
@@ -110,7 +151,8 @@ def test_no_recipe_keeps_two_groups_and_decay_without_layers_is_refused(tmp_path
         def __init__(self) -> None:
             super().__init__()
             self.inner = AutoModelForSequenceClassification.from_config(
-                AutoConfig.for_model("bert", num_labels=2, **{**arch, "num_hidden_layers": 0}))
+                AutoConfig.for_model("bert", num_labels=2, **{**arch, "num_hidden_layers": 0})
+            )
 
     with pytest.raises(UserError, match="layer_lr_decay needs numbered layers"):
         parameter_groups(load_config(write_tiny_config(tmp_path, {"train.layer_lr_decay": 0.9})), Flat())
@@ -156,13 +198,18 @@ def _problem(kind: str, rng: np.random.Generator, n: int = 300) -> tuple[np.ndar
 def _reference(kind: str, y: np.ndarray, logits: np.ndarray, thresholds: list[float] | None) -> dict[str, float]:
     """The headline metrics through scipy and scikit-learn directly."""
     if kind == "regression":
-        return {"pearson": pearsonr(logits[:, 0], y)[0], "spearman": spearmanr(logits[:, 0], y)[0],
-                "mse": float(np.mean((logits[:, 0] - y) ** 2))}  # fmt: skip
+        return {
+            "pearson": pearsonr(logits[:, 0], y)[0],
+            "spearman": spearmanr(logits[:, 0], y)[0],
+            "mse": float(np.mean((logits[:, 0] - y) ** 2)),
+        }
     if kind == "multi_label_classification":
         pred = (1 / (1 + np.exp(-logits))) >= np.asarray(thresholds)
-        return {"micro_f1": f1_score(y, pred, average="micro", zero_division=0),
-                "macro_f1": f1_score(y, pred, average="macro", zero_division=0),
-                "subset_accuracy": accuracy_score(y, pred)}  # fmt: skip
+        return {
+            "micro_f1": f1_score(y, pred, average="micro", zero_division=0),
+            "macro_f1": f1_score(y, pred, average="macro", zero_division=0),
+            "subset_accuracy": accuracy_score(y, pred),
+        }
     pred = logits.argmax(-1)
     return {"accuracy": accuracy_score(y, pred), "macro_f1": f1_score(y, pred, average="macro", labels=[0, 1, 2])}
 
@@ -238,8 +285,9 @@ def test_predictions_and_intervals_describe_final(
     ("args", "message"),
     [(["--errors", "0"], "positive count"), (["--errors", "2", "--split", "test"], "no test predictions")],
 )
-def test_report_errors_bad_arguments(tiny_run: Path, args: list[str], message: str,
-                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_report_errors_bad_arguments(
+    tiny_run: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli_main(["report", str(tiny_run), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
@@ -252,8 +300,10 @@ def test_report_errors_without_predictions(tmp_path: Path, capsys: pytest.Captur
 
 @pytest.mark.parametrize(
     ("updates", "message"),
-    [({"model.quantization": "4bit", "model.lora": {"r": 2}}, "model.quantization freezes them"),
-     ({}, "model.architecture builds every layer fresh")],
+    [
+        ({"model.quantization": "4bit", "model.lora": {"r": 2}}, "model.quantization freezes them"),
+        ({}, "model.architecture builds every layer fresh"),
+    ],
 )
 def test_reinit_refused_where_it_cannot_work(tmp_path: Path, updates: dict[str, Any], message: str) -> None:
     with pytest.raises(UserError, match=message):

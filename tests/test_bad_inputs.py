@@ -225,8 +225,15 @@ def test_max_length_above_the_model_positions(case, capsys, tmp_path: Path) -> N
     (300) must match the size of tensor b (128)) after the run directory was written."""
     long_text = " ".join(["word"] * 400)
     cfg, out = case({"data.max_length": 300}, data={"train.csv": GOOD_TRAIN + f"{long_text},pos\n"})
-    _expect_error(["--config", str(cfg)], out, capsys, "data.max_length=300", "128 token positions",
-                  "data.max_length=128", "data.chunk_stride")
+    _expect_error(
+        ["--config", str(cfg)],
+        out,
+        capsys,
+        "data.max_length=300",
+        "128 token positions",
+        "data.max_length=128",
+        "data.chunk_stride",
+    )
 
 
 def test_position_limit_of_families() -> None:
@@ -369,6 +376,10 @@ def test_a_gguf_architecture_transformers_cannot_read(case, capsys) -> None:
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((10, 4), dtype=np.float32))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
-    overrides = ["model.architecture=null", "model.tokenizer=null", f"model.name_or_path={folder}",
-                 "model.gguf_file=bert.gguf"]  # fmt: skip
+    overrides = [
+        "model.architecture=null",
+        "model.tokenizer=null",
+        f"model.name_or_path={folder}",
+        "model.gguf_file=bert.gguf",
+    ]
     _expect_error(["--config", str(cfg), *overrides], out, capsys, "bert.gguf", "architecture bert")

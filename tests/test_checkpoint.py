@@ -311,13 +311,27 @@ def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Pat
     # resume accepts and refuses the same keys; a key added here is a decision about resume, not a chore
     declared = keys_that_may_change_on_resume()
     assert declared == {
-        "run.output_dir", "run.overwrite", "run.num_threads",
-        "train.eval_every_steps", "train.log_every_steps",
-        "checkpoint.every_steps", "checkpoint.resume", "checkpoint.keep_last", "checkpoint.export",
-        "memory.record_history", "log.trackers", "model.head_init", "data.data_dir", "data.num_workers",
+        "run.output_dir",
+        "run.overwrite",
+        "run.num_threads",
+        "train.eval_every_steps",
+        "train.log_every_steps",
+        "checkpoint.every_steps",
+        "checkpoint.resume",
+        "checkpoint.keep_last",
+        "checkpoint.export",
+        "memory.record_history",
+        "log.trackers",
+        "model.head_init",
+        "data.data_dir",
+        "data.num_workers",
         "precision.empty_cache",
-        "sweep.space", "sweep.random_trials", "sweep.startup_trials", "sweep.warmup_evaluations", "sweep.baseline",
-    }  # fmt: skip
+        "sweep.space",
+        "sweep.random_trials",
+        "sweep.startup_trials",
+        "sweep.warmup_evaluations",
+        "sweep.baseline",
+    }
     # and a changed value of any config key blocks resume exactly when it is not declared
     base = _cfg(tmp_path)
     for section, values in base.items():

@@ -22,8 +22,12 @@ def test_missing_data_fails_under_ci_and_skips_locally(ci: str, outcome: str, tm
     env = {**os.environ, "CI": ci, "FINETUNE_DATA_DIR": str(tmp_path / "no-data")}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", NEEDS_DATA],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert outcome in proc.stdout, proc.stdout[-2000:]
     assert "data directory not found" in proc.stdout
     assert proc.returncode == (1 if ci else 0)

@@ -225,8 +225,12 @@ def test_incomplete_final_is_one_line_naming_the_file(
     final = tmp_path / "final"
     shutil.copytree(tiny_run / "final", final)
     weights = final / "model.safetensors"
-    named = {"weights_truncated": weights, "tokenizer_gone": final / "tokenizer_config.json",
-             "tokenizer_json_gone": final / "tokenizer.json", "config_gone": final / "config.json"}[damage]
+    named = {
+        "weights_truncated": weights,
+        "tokenizer_gone": final / "tokenizer_config.json",
+        "tokenizer_json_gone": final / "tokenizer.json",
+        "config_gone": final / "config.json",
+    }[damage]
     if damage == "weights_truncated":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     elif damage == "tokenizer_gone":
@@ -236,11 +240,18 @@ def test_incomplete_final_is_one_line_naming_the_file(
         named.unlink()
     (tmp_path / "in.txt").write_text("hello\n")
     commands = {
-        "predict": ["predict", "--model", str(final), "--input", str(tmp_path / "in.txt"), "--output",
-                    str(tmp_path / "o.jsonl")],
+        "predict": [
+            "predict",
+            "--model",
+            str(final),
+            "--input",
+            str(tmp_path / "in.txt"),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+        ],
         "evaluate": ["evaluate", "--model", str(final), "--config", str(write_tiny_config(tmp_path))],
         "export": ["export", "--onnx", str(final), str(tmp_path / "onnx")],
-    }  # fmt: skip
+    }
     capsys.readouterr()
     for name, argv in commands.items():
         assert cli_main(argv) == 2, name
@@ -257,8 +268,17 @@ def test_predict_progress_is_plain_lines_in_a_log(
     inp = tmp_path / "in.txt"
     inp.write_text("\n".join(TEXTS) + "\n")
     out = tmp_path / "o.jsonl"
-    argv = ["predict", "--model", str(tiny_run / "final"), "--input", str(inp), "--output", str(out),
-            "--batch-size", "1"]
+    argv = [
+        "predict",
+        "--model",
+        str(tiny_run / "final"),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--batch-size",
+        "1",
+    ]
     capsys.readouterr()
     assert cli_main(argv) == 0
     err = capsys.readouterr().err

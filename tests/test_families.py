@@ -32,8 +32,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 NAMES = ["negative", "positive"]
 TEXTS = ["a fine film", "dull and far too long for what it is , and then some more", "bad", "the best of the year"]
 
-_ENC = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-        "max_position_embeddings": 128}
+_ENC = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+}
 _DEC = {**_ENC, "num_key_value_heads": 1, "head_dim": 16}
 _DROP = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 # model_type -> (tokenizer kind, architecture); dropout 0 where the family has any by default
@@ -41,14 +46,35 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "bert": ("encoder", {**_ENC, **_DROP}),
     "roberta": ("encoder", {**_ENC, **_DROP}),
     "electra": ("encoder", {**_ENC, **_DROP, "embedding_size": 32}),
-    "deberta-v2": ("encoder", {  # DeBERTa-v3's layout: relative attention with buckets, no absolute positions
-        **_ENC, **_DROP, "relative_attention": True, "pos_att_type": ["p2c", "c2p"], "position_buckets": 16,
-        "max_relative_positions": -1, "norm_rel_ebd": "layer_norm", "share_att_key": True,
-        "position_biased_input": False, "type_vocab_size": 0}),
+    "deberta-v2": (
+        "encoder",
+        {  # DeBERTa-v3's layout: relative attention with buckets, no absolute positions
+            **_ENC,
+            **_DROP,
+            "relative_attention": True,
+            "pos_att_type": ["p2c", "c2p"],
+            "position_buckets": 16,
+            "max_relative_positions": -1,
+            "norm_rel_ebd": "layer_norm",
+            "share_att_key": True,
+            "position_biased_input": False,
+            "type_vocab_size": 0,
+        },
+    ),
     "modernbert": ("encoder", {**_ENC, "local_attention": 16, "global_attn_every_n_layers": 2}),
-    "distilbert": ("encoder", {"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64,
-                               "max_position_embeddings": 128, "dropout": 0.0, "attention_dropout": 0.0,
-                               "seq_classif_dropout": 0.0}),
+    "distilbert": (
+        "encoder",
+        {
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 2,
+            "hidden_dim": 64,
+            "max_position_embeddings": 128,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+            "seq_classif_dropout": 0.0,
+        },
+    ),
     "llama": ("decoder", _DEC),
     "qwen2": ("decoder", _DEC),
     "qwen3": ("decoder", _DEC),
@@ -56,10 +82,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma": ("decoder", _DEC),
     "phi3": ("decoder", _DEC),
     "phi": ("decoder", {**_ENC, "partial_rotary_factor": 0.5}),
-}  # fmt: skip
+}
 DECODERS = [f for f, (kind, _) in FAMILIES.items() if kind.startswith("decoder")]
-EXPECTED_HEADS = {"distilbert": ["pre_classifier", "classifier"], "deberta-v2": ["pooler", "classifier"],
-                  "modernbert": ["head", "classifier"], **{f: ["score"] for f in DECODERS}}  # fmt: skip
+EXPECTED_HEADS = {
+    "distilbert": ["pre_classifier", "classifier"],
+    "deberta-v2": ["pooler", "classifier"],
+    "modernbert": ["head", "classifier"],
+    **{f: ["score"] for f in DECODERS},
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,22 +108,31 @@ def train_tokenizer(texts: list[str], kind: str, out: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = {"decoder": ["<|begin_of_text|>", "<|end_of_text|>"], "decoder_eos": ["<s>", "</s>"],
-                "encoder": ["<s>", "</s>", "<unk>", "<mask>"]}[kind]  # fmt: skip
+    specials = {
+        "decoder": ["<|begin_of_text|>", "<|end_of_text|>"],
+        "decoder_eos": ["<s>", "</s>"],
+        "encoder": ["<s>", "</s>", "<unk>", "<mask>"],
+    }[kind]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     bos, eos = specials[:2]
     ids = [(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))]
     if kind == "decoder":
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                           special_tokens=ids[:1])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=ids[:1]
+        )
     else:
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B {eos}",
-                                                           special_tokens=ids)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}", pair=f"{bos} $A {eos} $B {eos}", special_tokens=ids
+        )
     extra = {"unk_token": "<unk>", "mask_token": "<mask>", "cls_token": bos, "sep_token": eos}
     extra = extra if kind == "encoder" else {}
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, **extra)
@@ -199,8 +238,11 @@ def _adapter_logits(run: Path, cfg_path: Path, family: str) -> torch.Tensor:
     tok = AutoTokenizer.from_pretrained(run / "final")
     base = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(run / "final"))
     state = load_file(str(ckpt.list_checkpoints(run)[-1] / "model.safetensors"))
-    state = {k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
-             for k, v in state.items() if "lora_" not in k and ".modules_to_save." not in k}
+    state = {
+        k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
+        for k, v in state.items()
+        if "lora_" not in k and ".modules_to_save." not in k
+    }
     base.load_state_dict(state, strict=True)
     with quiet_peft_deprecation():
         model = PeftModel.from_pretrained(base, run / "final" / "adapter").eval()
@@ -271,8 +313,9 @@ def test_a_pretrained_decoder_gets_the_pad_and_room_for_it(tokenizers: dict[str,
     arch = {**FAMILIES["llama"][1], "vocab_size": 300, "num_labels": 2}
     model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("llama", **arch))
     model.save_pretrained(tmp_path / "m")
-    cfg = family_config(tmp_path, "mistral", tokenizers, **{"model.architecture": ..., "model.name_or_path":
-                                                            str(tmp_path / "m")})
+    cfg = family_config(
+        tmp_path, "mistral", tokenizers, **{"model.architecture": ..., "model.name_or_path": str(tmp_path / "m")}
+    )
     assert main(["--config", str(cfg)]) == 0
     config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert config["pad_token_id"] == 300 and config["vocab_size"] == 301
@@ -318,10 +361,17 @@ def test_lora_trains_the_whole_head_and_never_targets_it(
     assert heads == EXPECTED_HEADS.get(family, ["classifier"])
     # every Linear name outside the head as a target (dense, out_proj, ... shared with the head): the head
     # stays plain; a name found only in the head is refused
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in plain.named_modules()
-                     if isinstance(m, torch.nn.Linear) and n.split(".")[0] not in heads})
-    head_only = sorted({n.rsplit(".", 1)[-1] for n, m in plain.named_modules() if n.split(".")[0] in heads} -
-                       {n.rsplit(".", 1)[-1] for n, m in plain.named_modules() if n.split(".")[0] not in heads})
+    linear = sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in plain.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.split(".")[0] not in heads
+        }
+    )
+    head_only = sorted(
+        {n.rsplit(".", 1)[-1] for n, m in plain.named_modules() if n.split(".")[0] in heads}
+        - {n.rsplit(".", 1)[-1] for n, m in plain.named_modules() if n.split(".")[0] not in heads}
+    )
     if head_only:
         with pytest.raises(UserError, match="only modules of the classification head"):
             _built(family, tokenizers, tmp_path / "bad", **{"model.lora": {"target_modules": head_only}})
@@ -338,8 +388,9 @@ def test_lora_trains_the_whole_head_and_never_targets_it(
 
 
 def _lora_steps(family: str, tokenizers: dict[str, Path], tmp_path: Path, checkpointing: bool) -> dict[str, Any]:
-    tok, model = _built(family, tokenizers, tmp_path, **{"model.lora": {"r": 4},
-                                                         "model.gradient_checkpointing": checkpointing})
+    tok, model = _built(
+        family, tokenizers, tmp_path, **{"model.lora": {"r": 4}, "model.gradient_checkpointing": checkpointing}
+    )
     model.train()
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -376,8 +427,7 @@ def stopped_and_resumed(
     assert main(["--config", str(cfg)]) == runtime.EXIT_CODES["SIGTERM"]
     monkeypatch.delenv(faults.ENV)
     assert main(["--config", str(cfg), "checkpoint.resume=auto"]) == 0
-    ref, got = (load_file(str(d / "run" / "final" / "model.safetensors")) for d in (tmp_path / "ref",
-                                                                                     tmp_path / "cut"))
+    ref, got = (load_file(str(d / "run" / "final" / "model.safetensors")) for d in (tmp_path / "ref", tmp_path / "cut"))
     return ref, got
 
 
@@ -392,8 +442,12 @@ def test_lora_resume_on_a_decoder_is_exact(
     # the checkpoint holds the adapters and the trained head (peft's own name for it), bit for bit
     state = load_file(str(ckpt.list_checkpoints(tmp_path / "cut" / "run")[-1] / "model.safetensors"))
     assert any("lora_A" in k for k in state) and any("score.modules_to_save" in k for k in state)
-    losses = [json.loads(x)["loss"] for d in (tmp_path / "ref", tmp_path / "cut")
-              for x in (d / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    losses = [
+        json.loads(x)["loss"]
+        for d in (tmp_path / "ref", tmp_path / "cut")
+        for x in (d / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"loss"' in x
+    ]
     assert losses[:4] == losses[4:]
 
 
@@ -404,8 +458,9 @@ def test_lora_resume_on_a_decoder_is_exact(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "bf16-true"])
 @pytest.mark.parametrize("family", ["deberta-v2", "llama"])
-def test_bf16_modes_train_and_keep_buffers_fp32(family: str, mode: str, tokenizers: dict[str, Path],
-                                                tmp_path: Path) -> None:
+def test_bf16_modes_train_and_keep_buffers_fp32(
+    family: str, mode: str, tokenizers: dict[str, Path], tmp_path: Path
+) -> None:
     extra = {"model.lora": {"r": 4}} if family == "llama" else {}
     cfg = family_config(tmp_path, family, tokenizers, **{"precision.mode": mode, **extra})
     assert main(["--config", str(cfg)]) == 0
@@ -430,8 +485,9 @@ def test_bf16_modes_train_and_keep_buffers_fp32(family: str, mode: str, tokenize
 
 
 @pytest.mark.parametrize("family", ["llama", "modernbert", "gemma"])
-def test_bf16_true_buffers_stay_fp32_and_the_audit_checks_them(family: str, tokenizers: dict[str, Path],
-                                                                tmp_path: Path) -> None:
+def test_bf16_true_buffers_stay_fp32_and_the_audit_checks_them(
+    family: str, tokenizers: dict[str, Path], tmp_path: Path
+) -> None:
     from finetune.precision import apply_precision_policy, check_audit, dtype_audit
 
     tok, model = _built(family, tokenizers, tmp_path)
@@ -473,8 +529,9 @@ def test_fp16_is_refused_for_gemma_and_accepted_elsewhere(tokenizers: dict[str, 
 # Packing stays BERT-family only; the planner runs for every family.
 
 
-def test_packing_is_refused_for_a_decoder(tokenizers: dict[str, Path], tmp_path: Path,
-                                          capfd: pytest.CaptureFixture[str]) -> None:
+def test_packing_is_refused_for_a_decoder(
+    tokenizers: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     cfg = family_config(tmp_path, "llama", tokenizers, **{"data.packing": True})
     assert main(["--config", str(cfg)]) == 2
     err = capfd.readouterr().err.strip().splitlines()
@@ -491,8 +548,11 @@ def test_the_planner_runs_for_every_family(tokenizers: dict[str, Path], tmp_path
         lora = {"model.lora": {"r": 4}, "model.gradient_checkpointing": True} if family == "llama" else {}
         layers = "n_layers" if family == "distilbert" else "num_hidden_layers"  # 1 layer: the cost is per op
         arch = {"model_type": family, **FAMILIES[family][1], layers: 1}
-        cfg = load_config(family_config(tmp_path / family, family, tokenizers, **lora,
-                                        **{"data.max_length": 8, "model.architecture": arch}))
+        cfg = load_config(
+            family_config(
+                tmp_path / family, family, tokenizers, **lora, **{"data.max_length": 8, "model.architecture": arch}
+            )
+        )
         result = plan(cfg, device="cpu", micro_sizes=[16], label_names=NAMES)  # one micro-batch a window
         peaks[family] = result.rows[0].peak_bytes
         assert result.rows[0].categories["parameters"] > 0
@@ -507,8 +567,10 @@ def test_fp16_gemma_is_one_line_through_main(
     cfg = family_config(tmp_path, "gemma", tokenizers, **{"precision.mode": "fp16"})
     assert main(["--config", str(cfg)]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert err == ["error: precision.mode=fp16: Gemma's activations exceed fp16's range (its checkpoints are bf16); "
-                   "use precision.mode=bf16 or fp32"], err
+    assert err == [
+        "error: precision.mode=fp16: Gemma's activations exceed fp16's range (its checkpoints are bf16); "
+        "use precision.mode=bf16 or fp32"
+    ], err
     assert not (tmp_path / "run").exists()
 
 

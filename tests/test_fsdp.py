@@ -42,9 +42,19 @@ def _launch_fsdp(overrides: list[str], fault: str | None = None) -> subprocess.C
     env.pop("FINETUNE_TEST_ONLY_FAULTS", None)
     if fault is not None:
         env["FINETUNE_TEST_ONLY_FAULTS"] = fault
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CPU),
-           "--main_process_port", str(_free_port()), str(ROOT / "finetune" / "train.py"), "--config", str(TINY),
-           *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(FSDP_CPU),
+        "--main_process_port",
+        str(_free_port()),
+        str(ROOT / "finetune" / "train.py"),
+        "--config",
+        str(TINY),
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -70,8 +80,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     stopped = _launch_fsdp(full, fault="sigterm_at_step:1@0")
     first_ckpt = sorted((d / "full2" / "checkpoints").glob("step_*"))
     # each rank's shard of the parameters and of the optimizer state (before rotation removes step 1)
-    shards = {part: sorted(p.name for p in (d / "full2" / "checkpoints" / "step_00000001" / part).glob("*.distcp"))
-              for part in ("pytorch_model_fsdp_0", "optimizer_0")}
+    shards = {
+        part: sorted(p.name for p in (d / "full2" / "checkpoints" / "step_00000001" / part).glob("*.distcp"))
+        for part in ("pytorch_model_fsdp_0", "optimizer_0")
+    }
     resumed = _launch_fsdp([*full, "checkpoint.resume=auto"])
     lora = _launch_fsdp([f"run.output_dir={d / 'lora2'}", "train.micro_batch_size=4", *COMMON, *LORA])
     _one_process(d / "full1", [])
@@ -152,8 +164,10 @@ def test_fsdp_planner_per_rank_against_each_rank_measured(runs: dict) -> None:
         assert len(measured) == 2
         # the plan pads every row to data.max_length: plan at the sampled window's longest batch instead
         longest = max(length for _, length in report["sampled_batches"])
-        cfg = load_config(TINY, [f"run.output_dir={d / 'plan'}", "train.micro_batch_size=4",
-                                 f"data.max_length={longest}", *COMMON, *extra])  # fmt: skip
+        cfg = load_config(
+            TINY,
+            [f"run.output_dir={d / 'plan'}", "train.micro_batch_size=4", f"data.max_length={longest}", *COMMON, *extra],
+        )
         row = plan(cfg, "cpu", None, [4], num_processes=2, shards=2).rows[0]
         for rank in measured:
             error = rank["peak_bytes"] / row.peak_bytes - 1
@@ -193,8 +207,10 @@ def test_fsdp_refuses_what_cannot_shard(tmp_path: Path, overrides: dict, words: 
     with pytest.raises(UserError) as info:
         check_fsdp(cfg, _fsdp_accelerator())
     assert all(w in str(info.value) for w in words) and "\n" not in str(info.value)
-    check_fsdp(load_config(write_tiny_config(tmp_path, {"precision.mode": "bf16-true", "precision.fp32_norms": False})),
-               _fsdp_accelerator())  # uniform bf16 blocks shard (it ran here)
+    check_fsdp(
+        load_config(write_tiny_config(tmp_path, {"precision.mode": "bf16-true", "precision.fp32_norms": False})),
+        _fsdp_accelerator(),
+    )  # uniform bf16 blocks shard (it ran here)
 
 
 def test_resume_refuses_a_checkpoint_of_another_layout(tmp_path: Path) -> None:
@@ -212,10 +228,16 @@ def test_resume_refuses_a_checkpoint_of_another_layout(tmp_path: Path) -> None:
     check_state_layout(whole, ddp)
     check_state_layout(sharded, _fsdp_accelerator())
     check_state_layout(full, _fsdp_accelerator("StateDictType.FULL_STATE_DICT"))
-    refused = [(sharded, ddp, "holds the FSDP sharded state dict, but this launch reads the whole model"),
-               (whole, _fsdp_accelerator(), r"holds the whole model \(one process or DDP\), but this launch "
-                                            "reads the FSDP sharded state dict"),
-               (full, _fsdp_accelerator(), "holds the FSDP full state dict")]  # fmt: skip
+    refused = [
+        (sharded, ddp, "holds the FSDP sharded state dict, but this launch reads the whole model"),
+        (
+            whole,
+            _fsdp_accelerator(),
+            r"holds the whole model \(one process or DDP\), but this launch "
+            "reads the FSDP sharded state dict",
+        ),
+        (full, _fsdp_accelerator(), "holds the FSDP full state dict"),
+    ]
     for path, acc, said in refused:
         with pytest.raises(UserError, match=said):
             check_state_layout(path, acc)

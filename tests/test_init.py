@@ -39,9 +39,14 @@ def _init(data: Path, out: Path, *extra: str) -> int:
     ],
 )
 def test_init_reads_each_layout(
-    name: str, problem_type: str, rows: int, labels: list[str] | int, keys: dict[str, str], tmp_path: Path,
+    name: str,
+    problem_type: str,
+    rows: int,
+    labels: list[str] | int,
+    keys: dict[str, str],
+    tmp_path: Path,
     data_dir: Path,
-) -> None:  # fmt: skip
+) -> None:
     out = tmp_path / "c.yaml"
     assert _init(data_dir / name, out) == 0
     text = out.read_text()
@@ -60,8 +65,20 @@ def test_init_config_trains_as_written(tmp_path: Path, data_dir: Path) -> None:
     out = tmp_path / "sms.yaml"
     assert _init(data_dir / "sms_spam" / "SMSSpamCollection", out) == 0
     run = tmp_path / "run"
-    assert train_main(["--config", str(out), f"run.output_dir={run}", "data.max_train_samples=64",
-                       "data.max_eval_samples=32", "train.max_steps=2", "run.num_threads=1"]) == 0  # fmt: skip
+    assert (
+        train_main(
+            [
+                "--config",
+                str(out),
+                f"run.output_dir={run}",
+                "data.max_train_samples=64",
+                "data.max_eval_samples=32",
+                "train.max_steps=2",
+                "run.num_threads=1",
+            ]
+        )
+        == 0
+    )
     assert (run / "final" / "config.json").is_file()
 
 
@@ -84,8 +101,32 @@ def test_init_refuses_overwrite_and_ambiguous_input(
 # Layouts on small fixtures written to tmp_path (issue #23): what init chose, and that the config it
 # wrote reads through the app's data path as written.
 
-WORDS = ("the", "film", "cat", "market", "rose", "slowly", "after", "a", "long", "quiet", "storm", "city", "river",
-         "team", "won", "lost", "bright", "dark", "old", "new", "music", "played", "under", "green")  # fmt: skip
+WORDS = (
+    "the",
+    "film",
+    "cat",
+    "market",
+    "rose",
+    "slowly",
+    "after",
+    "a",
+    "long",
+    "quiet",
+    "storm",
+    "city",
+    "river",
+    "team",
+    "won",
+    "lost",
+    "bright",
+    "dark",
+    "old",
+    "new",
+    "music",
+    "played",
+    "under",
+    "green",
+)
 
 
 def _sentence(rng: random.Random, n: int) -> str:
@@ -149,8 +190,12 @@ def _nli(tmp_path: Path, rng: random.Random) -> Path:
     # the hypothesis comes first in the file (and sorts first): the premise is still the first text
     path = tmp_path / "nli.jsonl"
     labels = ["entailment", "neutral", "contradiction"]
-    path.write_text("".join(json.dumps({"hypothesis": _sentence(rng, 5), "premise": _sentence(rng, 20),
-                                        "label": labels[i % 3]}) + "\n" for i in range(40)))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"hypothesis": _sentence(rng, 5), "premise": _sentence(rng, 20), "label": labels[i % 3]}) + "\n"
+            for i in range(40)
+        )
+    )
     return path
 
 
@@ -190,31 +235,78 @@ def _label_files(tmp_path: Path, rng: random.Random) -> Path:
 
 LAYOUTS = {
     # name: (fixture, problem type, config keys, label names, what the notes say)
-    "flags": (_flags, "multi_label_classification",
-              {"label_columns": ["anger", "anticipation", "disgust", "joy"], "text_column": "Tweet", "format": "tsv"},
-              ["anger", "anticipation", "disgust", "joy"], "4 columns hold only 0/1"),
-    "flags_left_out": (_flags, "multi_label_classification", {"text_column": "Tweet"},
-                       ["anger", "anticipation", "disgust", "joy"], "['checked'] hold 1 in every row"),
+    "flags": (
+        _flags,
+        "multi_label_classification",
+        {"label_columns": ["anger", "anticipation", "disgust", "joy"], "text_column": "Tweet", "format": "tsv"},
+        ["anger", "anticipation", "disgust", "joy"],
+        "4 columns hold only 0/1",
+    ),
+    "flags_left_out": (
+        _flags,
+        "multi_label_classification",
+        {"text_column": "Tweet"},
+        ["anger", "anticipation", "disgust", "joy"],
+        "['checked'] hold 1 in every row",
+    ),
     "score": (_score, "regression", {"label_column": "label"}, ["label"], "not all whole: a score, regression"),
-    "toxicity": (_toxicity, "regression", {"label_column": "toxicity", "text_column": "comment"}, ["toxicity"],
-                 "not all whole: a score, regression"),
-    "joined": (_joined, "multi_label_classification", {"label_delimiter": "|", "label_column": "labels"},
-               ["anger", "fear", "joy", "love"], "joined by '|'"),
-    "json_lists": (_json_lists, "multi_label_classification", {"label_delimiter": None, "label_column": "tags"},
-                   ["politics", "sports", "tech"], "holds lists"),
-    "rte": (_rte, "single_label_classification", {"text_column": "sentence1", "text_pair_column": "sentence2"},
-            ["entailment", "not_entailment"], "as a sentence pair (numbered names"),
-    "nli": (_nli, "single_label_classification", {"text_column": "premise", "text_pair_column": "hypothesis"},
-            ["contradiction", "entailment", "neutral"], "named 'premise' and 'hypothesis'"),
-    "paraphrase": (_paraphrase, "single_label_classification",
-                   {"text_column": "column1", "text_pair_column": "column2", "header": False}, ["0", "1"],
-                   "by content"),
-    "news": (_news, "single_label_classification", {"text_column": "column2", "text_pair_column": None}, list("1234"),
-             "not used: text column(s) ['column1']"),
-    "label_files": (_label_files, "single_label_classification",
-                    {"label_files": {"neg": "rt-polarity.neg", "pos": "rt-polarity.pos"}, "encoding": "latin-1"},
-                    ["neg", "pos"], "one text file per label"),
-}  # fmt: skip
+    "toxicity": (
+        _toxicity,
+        "regression",
+        {"label_column": "toxicity", "text_column": "comment"},
+        ["toxicity"],
+        "not all whole: a score, regression",
+    ),
+    "joined": (
+        _joined,
+        "multi_label_classification",
+        {"label_delimiter": "|", "label_column": "labels"},
+        ["anger", "fear", "joy", "love"],
+        "joined by '|'",
+    ),
+    "json_lists": (
+        _json_lists,
+        "multi_label_classification",
+        {"label_delimiter": None, "label_column": "tags"},
+        ["politics", "sports", "tech"],
+        "holds lists",
+    ),
+    "rte": (
+        _rte,
+        "single_label_classification",
+        {"text_column": "sentence1", "text_pair_column": "sentence2"},
+        ["entailment", "not_entailment"],
+        "as a sentence pair (numbered names",
+    ),
+    "nli": (
+        _nli,
+        "single_label_classification",
+        {"text_column": "premise", "text_pair_column": "hypothesis"},
+        ["contradiction", "entailment", "neutral"],
+        "named 'premise' and 'hypothesis'",
+    ),
+    "paraphrase": (
+        _paraphrase,
+        "single_label_classification",
+        {"text_column": "column1", "text_pair_column": "column2", "header": False},
+        ["0", "1"],
+        "by content",
+    ),
+    "news": (
+        _news,
+        "single_label_classification",
+        {"text_column": "column2", "text_pair_column": None},
+        list("1234"),
+        "not used: text column(s) ['column1']",
+    ),
+    "label_files": (
+        _label_files,
+        "single_label_classification",
+        {"label_files": {"neg": "rt-polarity.neg", "pos": "rt-polarity.pos"}, "encoding": "latin-1"},
+        ["neg", "pos"],
+        "one text file per label",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +347,20 @@ def test_init_flags_config_trains_two_steps(tmp_path: Path) -> None:
     raw["model"] = {**tiny, "problem_type": raw["model"]["problem_type"]}
     out.write_text(yaml.safe_dump(raw))
     run = tmp_path / "run"
-    assert train_main(["--config", str(out), f"run.output_dir={run}", "train.max_steps=2", "run.num_threads=1",
-                       "train.micro_batch_size=8", "log.plots=false"]) == 0  # fmt: skip
+    assert (
+        train_main(
+            [
+                "--config",
+                str(out),
+                f"run.output_dir={run}",
+                "train.max_steps=2",
+                "run.num_threads=1",
+                "train.micro_batch_size=8",
+                "log.plots=false",
+            ]
+        )
+        == 0
+    )
     assert json.loads((run / "final" / "config.json").read_text())["problem_type"] == "multi_label_classification"
 
 
@@ -298,7 +402,7 @@ UNREADABLE = {
     "noname.xlsx": (bytes(range(256)), "an Excel workbook (xlsx)"),  # no magic: the extension names it
     "unicode.txt": ("text\tlabel\nhello\t1\n".encode("utf-16"), "UTF-16"),
     "blob.bin": (b"\x00\x01\x02text", "a binary file"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", UNREADABLE)
@@ -331,16 +435,20 @@ def test_init_reads_parquet_under_another_name(tmp_path: Path) -> None:
     assert cfg.data.format == "parquet" and len(load_raw_splits(cfg).train) == 36
 
 
-def test_init_max_length_stays_within_the_models_positions(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_init_max_length_stays_within_the_models_positions(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     # a model of 64 positions and texts of ~150 tokens: max_length is the model's limit, not 160
     from transformers import AutoTokenizer, BertConfig
 
     model = tmp_path / "model"
     AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6")).save_pretrained(model)
-    BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               max_position_embeddings=64).save_pretrained(model)  # fmt: skip
+    BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    ).save_pretrained(model)
     rng = random.Random(0)
     path = tmp_path / "long.csv"
     path.write_text("text,label\n" + "".join(f"{_sentence(rng, 140)},{i % 2}\n" for i in range(40)))

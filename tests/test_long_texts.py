@@ -41,10 +41,12 @@ def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "extra",
-    [{"train.class_weights": [1.0, 3.0]},
-     {"data.max_length": 12, "data.chunk_stride": 3, "data.max_train_samples": 16, "train.class_weights": "auto"}],
+    [
+        {"train.class_weights": [1.0, 3.0]},
+        {"data.max_length": 12, "data.chunk_stride": 3, "data.max_train_samples": 16, "train.class_weights": "auto"},
+    ],
     ids=["class_weights", "chunks_and_auto_weights"],
-)  # fmt: skip
+)
 def test_weighted_accumulation_equals_the_weighted_full_batch_gradient(extra: dict[str, Any], tmp_path: Path) -> None:
     scratch, tok, data, model, cfg = sgd_from_saved_start(tmp_path, {**SGD, **extra}, seed=3)
     init = tmp_path / "init"
@@ -63,18 +65,25 @@ def test_weighted_accumulation_equals_the_weighted_full_batch_gradient(extra: di
         class_w = extra["train.class_weights"]
     weights = [class_w[y] / windows[d] for d, y in zip(docs, labels, strict=True)]
     assert sample_weights(train, data.label_names, extra["train.class_weights"]) == pytest.approx(weights)
-    sampler = WindowedBatchSampler(train["length"][:], batch_size=8, accumulation=2, seed=scratch.run.seed,
-                                   group_by_length=scratch.data.group_by_length)  # fmt: skip
+    sampler = WindowedBatchSampler(
+        train["length"][:],
+        batch_size=8,
+        accumulation=2,
+        seed=scratch.run.seed,
+        group_by_length=scratch.data.group_by_length,
+    )
     sampler.set_epoch(0)
     batches = list(sampler)
     model.train()
     for w in range(0, len(batches), 2):
         idx = [i for b in batches[w : w + 2] for (i, _, _) in b]
         rows = [train[i] for i in idx]
-        enc = tok.pad([{k: r[k] for k in ("input_ids", "attention_mask", "token_type_ids")} for r in rows],
-                      return_tensors="pt")  # fmt: skip
-        ce = torch.nn.functional.cross_entropy(model(**enc).logits, torch.tensor([r["labels"] for r in rows]),
-                                               reduction="none")  # fmt: skip
+        enc = tok.pad(
+            [{k: r[k] for k in ("input_ids", "attention_mask", "token_type_ids")} for r in rows], return_tensors="pt"
+        )
+        ce = torch.nn.functional.cross_entropy(
+            model(**enc).logits, torch.tensor([r["labels"] for r in rows]), reduction="none"
+        )
         wt = torch.tensor([weights[i] for i in idx])
         loss = (ce * wt).sum() / wt.sum()
         model.zero_grad(set_to_none=True)
@@ -139,9 +148,17 @@ def test_per_text_aggregation_of_windows() -> None:
 def test_chunked_run_scores_texts_and_predicts_as_it_evaluates(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = write_tiny_config(tmp_path, {"data.max_length": 12, "data.chunk_stride": 4, "data.max_train_samples": 48,
-                                       "data.max_eval_samples": 20, "train.max_steps": 2,
-                                       "data.chunk_aggregate": "max"})  # fmt: skip
+    cfg = write_tiny_config(
+        tmp_path,
+        {
+            "data.max_length": 12,
+            "data.chunk_stride": 4,
+            "data.max_train_samples": 48,
+            "data.max_eval_samples": 20,
+            "train.max_steps": 2,
+            "data.chunk_aggregate": "max",
+        },
+    )
     assert main(["--config", str(cfg)]) == 0
     run = tmp_path / "run"
     report = json.loads((run / "eval.json").read_text())

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 import finetune.train as train_mod
 from finetune import checkpoint as ckpt
 from finetune import faults, runtime
+from finetune.assemble import build_eval_loaders
 from finetune.config_io import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
@@ -49,9 +50,18 @@ def _one_line_error(capfd: pytest.CaptureFixture[str]) -> str:
 @pytest.mark.slow
 def test_eval_json_describes_the_exported_best_weights(tmp_path: Path) -> None:
     # lr 3e-2 makes this seed's validation accuracy peak before the end, so best != last
-    cfg = _cfg(tmp_path, {"train.learning_rate": 3e-2, "train.max_steps": 8, "train.epochs": 4,
-                          "train.eval_every_steps": 2, "checkpoint.every_steps": 2, "checkpoint.keep_last": 1,
-                          "checkpoint.export": "best"})  # fmt: skip
+    cfg = _cfg(
+        tmp_path,
+        {
+            "train.learning_rate": 3e-2,
+            "train.max_steps": 8,
+            "train.epochs": 4,
+            "train.eval_every_steps": 2,
+            "checkpoint.every_steps": 2,
+            "checkpoint.keep_last": 1,
+            "checkpoint.export": "best",
+        },
+    )
     assert train_mod.main(["--config", str(cfg)]) == 0
     run = tmp_path / "run"
     final = json.loads((run / "eval.json").read_text())
@@ -109,7 +119,7 @@ def test_evaluation_loaders_use_data_num_workers(tmp_path: Path) -> None:
 
     cfg = load_config(_cfg(tmp_path), ["data.num_workers=1", "data.max_eval_samples=8"])
     tok = build_tokenizer(cfg)
-    validation, test = train_mod.build_eval_loaders(cfg, build_data(cfg, tok), tok, 4)
+    validation, test = build_eval_loaders(cfg, build_data(cfg, tok), tok, 4)
     assert validation.num_workers == 1 and test is None
 
 
@@ -181,7 +191,7 @@ def test_disk_full_errors_are_recognised_and_small_disks_warned(
     from safetensors import SafetensorError
 
     assert ckpt.is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
-    assert ckpt.is_disk_full(SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull })'))
+    assert ckpt.is_disk_full(SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })"))
     assert not ckpt.is_disk_full(OSError(errno.EACCES, "Permission denied"))
     assert ckpt.estimate_disk_need(100, 10, keep_last=2, checkpoints=True) == 410
     assert ckpt.estimate_disk_need(100, 10, keep_last=2, checkpoints=False) == 10
@@ -235,9 +245,13 @@ def test_exact_resume_with_dropout(
 ) -> None:
     # tiny-debug has dropout 0: a broken RNG restore would pass every other resume test
     dropout = {
-        "model.architecture.hidden_dropout_prob": 0.2, "model.architecture.attention_probs_dropout_prob": 0.2,
-        "train.max_steps": 6, "train.epochs": 3, "checkpoint.every_steps": 2, "data.max_eval_samples": 8,
-    }  # fmt: skip
+        "model.architecture.hidden_dropout_prob": 0.2,
+        "model.architecture.attention_probs_dropout_prob": 0.2,
+        "train.max_steps": 6,
+        "train.epochs": 3,
+        "checkpoint.every_steps": 2,
+        "data.max_eval_samples": 8,
+    }
     reference = _cfg(tmp_path / "reference", dropout)
     assert train_mod.main(["--config", str(reference)]) == 0
     stopped = _cfg(tmp_path / "stopped", dropout)
@@ -249,8 +263,14 @@ def test_exact_resume_with_dropout(
     b = _weights(tmp_path / "stopped" / "run" / "final" / "model.safetensors")
     assert _max_diff(a, b) == 0.0
     # and dropout really acts: the same run without it ends elsewhere
-    no_dropout = _cfg(tmp_path / "no_dropout", {**dropout, "model.architecture.hidden_dropout_prob": 0.0,
-                                                "model.architecture.attention_probs_dropout_prob": 0.0})  # fmt: skip
+    no_dropout = _cfg(
+        tmp_path / "no_dropout",
+        {
+            **dropout,
+            "model.architecture.hidden_dropout_prob": 0.0,
+            "model.architecture.attention_probs_dropout_prob": 0.0,
+        },
+    )
     assert train_mod.main(["--config", str(no_dropout)]) == 0
     c = _weights(tmp_path / "no_dropout" / "run" / "final" / "model.safetensors")
     assert _max_diff(a, c) > 1e-4

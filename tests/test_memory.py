@@ -130,7 +130,9 @@ def test_every_checkpoint_has_a_memory_report(
     kept = last["breakdown_method"].split(" (")[0].removeprefix("MemTracker on optimizer step ")
     assert {int(kept), last["other_sample"]["step"]} == {2, 3}
     assert last["peak_bytes"] >= last["other_sample"]["peak_bytes"] and second["peak_bytes"] in (
-        last["peak_bytes"], last["other_sample"]["peak_bytes"])
+        last["peak_bytes"],
+        last["other_sample"]["peak_bytes"],
+    )
     # what was measured: the sampled window's two micro-batches of 16 rows, padded per batch
     assert [b[0] for b in last["sampled_batches"]] == [16, 16]
     assert all(1 < b[1] <= load_config(cfg).data.max_length for b in last["sampled_batches"])
@@ -220,10 +222,19 @@ def test_memory_png_shows_the_breakdown_beside_the_plan(tmp_path: Path, data_dir
     # train.micro_batch_size=auto plans the micro-batch: memory.json keeps the plan, memory.png draws both
     import matplotlib.pyplot as plt
 
-    cfg = write_tiny_config(tmp_path, {"data.max_train_samples": 64, "data.max_eval_samples": 16, "train.max_steps": 2,
-                                       "train.micro_batch_size": "auto", "train.batch_size": 32,
-                                       "train.gradient_accumulation_steps": ..., "memory.budget_gb": 4,
-                                       "checkpoint.every_steps": 1})  # fmt: skip
+    cfg = write_tiny_config(
+        tmp_path,
+        {
+            "data.max_train_samples": 64,
+            "data.max_eval_samples": 16,
+            "train.max_steps": 2,
+            "train.micro_batch_size": "auto",
+            "train.batch_size": 32,
+            "train.gradient_accumulation_steps": ...,
+            "memory.budget_gb": 4,
+            "checkpoint.every_steps": 1,
+        },
+    )
     assert train_main(["--config", str(cfg)]) == 0
     report = mem.latest_report(tmp_path / "run")
     assert report is not None and report["config"]["planned_bytes"]["parameters"] > 0

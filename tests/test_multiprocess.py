@@ -62,11 +62,25 @@ def _launch_two(config: Path, overrides: list[str], fault: str | None = None) ->
     if fault is not None:
         env["FINETUNE_TEST_ONLY_FAULTS"] = fault
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()),
-        str(ROOT / "finetune" / "train.py"), "--config", str(config), *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(ROOT / "finetune" / "train.py"),
+        "--config",
+        str(config),
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -159,11 +173,19 @@ def test_a_full_disk_on_one_rank_ends_every_rank_with_one_line(tmp_path: Path) -
 
     run = tmp_path / "run"
     started = time.monotonic()
-    proc = _launch_two(ROOT / "configs" / "tiny-debug.yaml",
-                       [f"run.output_dir={run}", "train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
-                        "data.max_train_samples=16", "data.max_eval_samples=8", "train.eval_every_steps=null",
-                        "checkpoint.every_steps=1"],
-                       fault="disk_full_in_save:1@1")  # fmt: skip
+    proc = _launch_two(
+        ROOT / "configs" / "tiny-debug.yaml",
+        [
+            f"run.output_dir={run}",
+            "train.micro_batch_size=4",
+            "train.gradient_accumulation_steps=1",
+            "data.max_train_samples=16",
+            "data.max_eval_samples=8",
+            "train.eval_every_steps=null",
+            "checkpoint.every_steps=1",
+        ],
+        fault="disk_full_in_save:1@1",
+    )
     elapsed = time.monotonic() - started
     assert proc.returncode != 0, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -266,9 +288,13 @@ def _reference_steps(
     model.train()  # dropout is 0 in tiny-debug
     micro = EFFECTIVE // ACCUMULATION // P
     sampler = WindowedBatchSampler(
-        train["length"][:], batch_size=micro * P, accumulation=ACCUMULATION, seed=seed,
-        group_by_length=group_by_length, pad_to_multiple=P,
-    )  # fmt: skip
+        train["length"][:],
+        batch_size=micro * P,
+        accumulation=ACCUMULATION,
+        seed=seed,
+        group_by_length=group_by_length,
+        pad_to_multiple=P,
+    )
     sampler.set_epoch(0)
     batches = list(sampler)
     pad_id = model.config.pad_token_id or 0
@@ -329,8 +355,13 @@ def sgd_setup(tmp_path_factory: pytest.TempPathFactory) -> SgdSetup:
     steps, sizes = _reference_steps(init_dir, data.train, cfg.run.seed, cfg.data.group_by_length, 2, lambda n: 1.0)
     assert sizes == [40, 40, 10]
     # one process forms the same windows (what resuming across process counts relies on)
-    assert _max_diff(_reference_steps(init_dir, data.train, cfg.run.seed, cfg.data.group_by_length, 1,
-                                      lambda n: 1.0)[0][-1], steps[-1]) <= 1e-6  # fmt: skip
+    assert (
+        _max_diff(
+            _reference_steps(init_dir, data.train, cfg.run.seed, cfg.data.group_by_length, 1, lambda n: 1.0)[0][-1],
+            steps[-1],
+        )
+        <= 1e-6
+    )
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return SgdSetup(config, init, steps, sizes, reference)
 
@@ -344,8 +375,12 @@ def sgd_two_process_run(sgd_setup: SgdSetup, tmp_path_factory: pytest.TempPathFa
     from finetune.train import main
 
     run = tmp_path_factory.mktemp("sgd_two") / "run"
-    overrides = [f"run.output_dir={run}", "checkpoint.every_steps=1", "checkpoint.export=best",
-                 "train.eval_every_steps=1"]  # fmt: skip
+    overrides = [
+        f"run.output_dir={run}",
+        "checkpoint.every_steps=1",
+        "checkpoint.export=best",
+        "train.eval_every_steps=1",
+    ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FINETUNE_DATA_DIR", str(DATA_DIR))
         mp.setenv(faults.ENV, "sigterm_at_step:1")

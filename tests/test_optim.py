@@ -16,8 +16,9 @@ from finetune.optim import build_scheduler
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("shape, hf_name", [("linear", "linear"), ("cosine", "cosine"),
-                                            ("constant", "constant_with_warmup")])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape, hf_name", [("linear", "linear"), ("cosine", "cosine"), ("constant", "constant_with_warmup")]
+)
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_schedules_match_transformers_get_scheduler(shape: str, hf_name: str, warmup: int) -> None:
     overrides = [f"train.lr_scheduler={shape}", f"train.warmup_steps={warmup}"]

@@ -30,8 +30,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 SETTINGS = [
     {},
     {"model.lora": {"r": 4}},
-    {"model.lora": {"r": 4}, "model.quantization": "4bit", "precision.mode": "bf16",
-     "model.gradient_checkpointing": True},
+    {
+        "model.lora": {"r": 4},
+        "model.quantization": "4bit",
+        "precision.mode": "bf16",
+        "model.gradient_checkpointing": True,
+    },
 ]
 
 
@@ -51,10 +55,12 @@ def long_rows(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     return path
 
 
-def _plan_against_loop(family: str, setting: dict[str, Any], tokenizers: dict[str, Path], long_rows: Path,
-                       tmp_path: Path) -> None:
-    cfg_path = family_config(tmp_path, family, tokenizers, **{"data.train_file": str(long_rows),
-                                                              "data.max_length": 16, **setting})
+def _plan_against_loop(
+    family: str, setting: dict[str, Any], tokenizers: dict[str, Path], long_rows: Path, tmp_path: Path
+) -> None:
+    cfg_path = family_config(
+        tmp_path, family, tokenizers, **{"data.train_file": str(long_rows), "data.max_length": 16, **setting}
+    )
     assert main(["--config", str(cfg_path)]) == 0
     report = json.loads((ckpt.list_checkpoints(tmp_path / "run")[-1] / "memory.json").read_text())
     assert report["breakdown_method"].startswith("MemTracker on optimizer step 2")
@@ -105,8 +111,10 @@ def test_a_1b_model_plans_from_its_dimensions_without_allocating(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = Path(__file__).parents[1] / "configs" / "llama-3.2-1b-qlora.yaml"
     before = psutil.Process().memory_info().rss
-    assert cli_main(["plan", "--config", str(config), "data.max_length=8", "--micro", "1", "--json",
-                     "--device", "cpu"]) == 0  # fmt: skip
+    assert (
+        cli_main(["plan", "--config", str(config), "data.max_length=8", "--micro", "1", "--json", "--device", "cpu"])
+        == 0
+    )
     grown = psutil.Process().memory_info().rss - before
     (row,) = json.loads(capsys.readouterr().out)
     # 1.24B parameters: the 0.97B of the 16 layers in 4 bits (+ 1/64 absmax), the 263M embedding fp32
@@ -118,8 +126,9 @@ def test_a_1b_model_plans_from_its_dimensions_without_allocating(
 @pytest.mark.slow
 def test_plan_grid_compares_the_settings(tiny_config: Any, capsys: pytest.CaptureFixture[str]) -> None:
     path = tiny_config({"data.max_length": 16})
-    assert cli_main(["plan", "--config", str(path), "--grid", "--micro", "4", "--lengths", "16",
-                     "--device", "cpu"]) == 0  # fmt: skip
+    assert (
+        cli_main(["plan", "--config", str(path), "--grid", "--micro", "4", "--lengths", "16", "--device", "cpu"]) == 0
+    )
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("fp32", "bf16", "LoRA", "QLoRA"))]
     assert len(rows) == 5 and "L16 x4" in out

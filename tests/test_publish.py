@@ -43,8 +43,10 @@ def test_model_card_matches_eval_json_data_and_memory(tiny_run: Path, data_dir: 
     # huggingface_hub's offline checks: the model-index parses into EvalResults and writes back the same
     card = ModelCard.load(final / "README.md")
     assert card.data.to_dict() == meta and str(card) == (final / "README.md").read_text()
-    assert {(r.dataset_split, r.metric_type) for r in card.data.eval_results} == {("validation", "accuracy"),
-                                                                                 ("validation", "f1")}
+    assert {(r.dataset_split, r.metric_type) for r in card.data.eval_results} == {
+        ("validation", "accuracy"),
+        ("validation", "f1"),
+    }
     ev = json.loads((tiny_run / "eval.json").read_text())
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-classification"
     assert meta["datasets"] == ["sst2"] and "base_model" not in meta  # tiny-debug is built from scratch
@@ -96,7 +98,7 @@ def _tiny_finals(root: Path) -> dict[str, Path]:
         BertConfig,
         BertForSequenceClassification,
         LlamaConfig,
-        LlamaForSequenceClassification,  # fmt: skip
+        LlamaForSequenceClassification,
     )
 
     from finetune.model import resolve_model_path
@@ -104,12 +106,21 @@ def _tiny_finals(root: Path) -> dict[str, Path]:
     tok = AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6"))
     torch.manual_seed(0)
     names = ["admiration", "anger", "joy"]
-    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
-             "max_position_embeddings": 128, "vocab_size": tok.vocab_size, "num_labels": 3,
-             "id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)}}  # fmt: skip
+    sizes = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 128,
+        "vocab_size": tok.vocab_size,
+        "num_labels": 3,
+        "id2label": dict(enumerate(names)),
+        "label2id": {n: i for i, n in enumerate(names)},
+    }
     multi = BertForSequenceClassification(BertConfig(**sizes, problem_type="multi_label_classification"))
-    llama = LlamaForSequenceClassification(LlamaConfig(**sizes, num_key_value_heads=1, head_dim=16,
-                                                       pad_token_id=tok.pad_token_id))  # fmt: skip
+    llama = LlamaForSequenceClassification(
+        LlamaConfig(**sizes, num_key_value_heads=1, head_dim=16, pad_token_id=tok.pad_token_id)
+    )
     return {"multi_label": _save_final(root / "multi", multi, tok), "decoder": _save_final(root / "llama", llama, tok)}
 
 
@@ -137,8 +148,9 @@ def _onnx_vs_torch(final: Path, out: Path, texts: list[str]) -> float:
 
 
 @pytest.mark.slow
-def test_onnx_export_matches_pytorch(tiny_run: Path, data_dir: Path, tmp_path: Path,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_onnx_export_matches_pytorch(
+    tiny_run: Path, data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     finals = {"single_label": tiny_run / "final", **_tiny_finals(tmp_path)}
     sst2 = _texts(data_dir / "sst2" / "dev.tsv", 0, True)
     emotions = _texts(data_dir / "goemotions" / "dev.tsv", 0, False)
@@ -164,8 +176,12 @@ def test_onnx_export_matches_pytorch(tiny_run: Path, data_dir: Path, tmp_path: P
     ],
 )
 def test_export_bad_arguments_are_one_line(
-    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    case: str, needle: str,
+    tiny_run: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    needle: str,
 ) -> None:
     final, out = tiny_run / "final", tmp_path / "out"
     argv = ["export", "--onnx", str(final), str(out)]

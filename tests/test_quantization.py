@@ -27,7 +27,6 @@ from finetune.train import main
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tokenizers")
@@ -36,8 +35,9 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> dict
 
 
 def _quantized(family: str, kind: str, tokenizers: dict[str, Path], tmp_path: Path) -> tuple[Any, Any]:
-    cfg = load_config(family_config(tmp_path, family, tokenizers, **{"model.lora": {"r": 4},
-                                                                     "model.quantization": kind}))
+    cfg = load_config(
+        family_config(tmp_path, family, tokenizers, **{"model.lora": {"r": 4}, "model.quantization": kind})
+    )
     tok = build_tokenizer(cfg)
     choose_pad_token(tok, [__import__("datasets").Dataset.from_dict(dict(tok(TEXTS)))])
     torch.manual_seed(0)
@@ -74,8 +74,9 @@ def test_every_family_quantizes_its_base_and_keeps_head_and_norms(
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n
-               and "modules_to_save" not in n)
+    assert all(
+        not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n and "modules_to_save" not in n
+    )
 
 
 @pytest.mark.slow
@@ -89,10 +90,20 @@ def test_qlora_run_exports_the_merge_into_the_unquantized_base(tokenizers: dict[
     torch.manual_seed(0)
     base = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("llama", **arch))
     base.save_pretrained(tmp_path / "m")
-    cfg = family_config(tmp_path, "llama", tokenizers, **{
-        "model.architecture": ..., "model.name_or_path": str(tmp_path / "m"), "model.lora": {"r": 4},
-        "model.quantization": "4bit", "model.gradient_checkpointing": True, "precision.mode": "bf16",
-        "train.learning_rate": 5e-3})  # fmt: skip
+    cfg = family_config(
+        tmp_path,
+        "llama",
+        tokenizers,
+        **{
+            "model.architecture": ...,
+            "model.name_or_path": str(tmp_path / "m"),
+            "model.lora": {"r": 4},
+            "model.quantization": "4bit",
+            "model.gradient_checkpointing": True,
+            "precision.mode": "bf16",
+            "train.learning_rate": 5e-3,
+        },
+    )
     assert main(["--config", str(cfg)]) == 0
     final = tmp_path / "run" / "final"
     config = json.loads((final / "config.json").read_text())
@@ -104,8 +115,9 @@ def test_qlora_run_exports_the_merge_into_the_unquantized_base(tokenizers: dict[
     assert any("lora_B" in k and t.abs().max() > 0 for k, t in adapter.items())  # the adapters trained
     assert {k.split(".")[2] for k in adapter if "lora_" not in k} == {"score"}
     clf = pipeline("text-classification", model=str(final), top_k=None, function_to_apply="none")
-    got = torch.tensor([[next(d["score"] for d in row if d["label"] == n) for n in NAMES]
-                        for row in clf(TEXTS, batch_size=len(TEXTS))])
+    got = torch.tensor(
+        [[next(d["score"] for d in row if d["label"] == n) for n in NAMES] for row in clf(TEXTS, batch_size=len(TEXTS))]
+    )
     tok = AutoTokenizer.from_pretrained(final)
     base = AutoModelForSequenceClassification.from_pretrained(tmp_path / "m", dtype=torch.float32)
     base.config.pad_token_id = tok.pad_token_id
@@ -151,8 +163,9 @@ def test_quantization_errors_are_one_line(
     plain = family_config(tmp_path / "a", "llama", tokenizers, **{"model.quantization": "4bit"})
     assert "model.lora" in one_line(plain)  # quantized weights cannot train without adapters
     assert "CUDA" in one_line(plain, "model.lora={r: 4}", "train.optimizer=adamw8bit")
-    deberta = family_config(tmp_path / "d", "deberta-v2", tokenizers, **{"model.quantization": "4bit",
-                                                                         "model.lora": {"r": 4}})
+    deberta = family_config(
+        tmp_path / "d", "deberta-v2", tokenizers, **{"model.quantization": "4bit", "model.lora": {"r": 4}}
+    )
     assert "bf16-true" in one_line(deberta, "precision.mode=bf16")  # fails in its attention otherwise
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
     assert "needs bitsandbytes" in one_line(plain, "model.lora={r: 4}")
@@ -165,8 +178,13 @@ def test_quantization_errors_are_one_line(
 def test_qlora_resume_is_exact(tokenizers: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint holds bitsandbytes' quantization state beside each 4-bit weight: resume skips it
     (the base is rebuilt identically) and checks every other key strictly."""
-    run = {"model.lora": {"r": 4}, "model.quantization": "4bit", "train.max_steps": 4, "checkpoint.every_steps": 3,
-           "data.max_train_samples": 64}
+    run = {
+        "model.lora": {"r": 4},
+        "model.quantization": "4bit",
+        "train.max_steps": 4,
+        "checkpoint.every_steps": 3,
+        "data.max_train_samples": 64,
+    }
     ref, got = stopped_and_resumed(tmp_path, "llama", tokenizers, monkeypatch, run)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
 
@@ -179,8 +197,9 @@ def test_a_rank_other_than_0_still_writes_its_private_base(tmp_path: Path, monke
 
     from finetune.sources import save_on_this_process
 
-    model = BertForSequenceClassification(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=16))  # fmt: skip
+    model = BertForSequenceClassification(
+        BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    )
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, **k: 1)
     model.save_pretrained(tmp_path / "plain")

@@ -78,11 +78,22 @@ def test_lora_on_the_real_decoder_trains_and_final_loads_in_pipeline(
     rows += [(f"{EOS} {text}", label) for text, label in rows[6:10]]
     (tmp_path / "train.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in rows))
     run = tmp_path / "run"
-    overrides = [f"run.output_dir={run}", f"data.data_dir={tmp_path}", "data.train_file=train.tsv",
-                 "data.validation_file=train.tsv", "data.max_train_samples=null", "data.max_eval_samples=16",
-                 "data.max_length=32", "train.micro_batch_size=8", "train.gradient_accumulation_steps=1",
-                 "train.max_steps=3", "train.eval_every_steps=null", "checkpoint.every_steps=null",
-                 "log.plots=false", "model.lora.r=4"]  # fmt: skip
+    overrides = [
+        f"run.output_dir={run}",
+        f"data.data_dir={tmp_path}",
+        "data.train_file=train.tsv",
+        "data.validation_file=train.tsv",
+        "data.max_train_samples=null",
+        "data.max_eval_samples=16",
+        "data.max_length=32",
+        "train.micro_batch_size=8",
+        "train.gradient_accumulation_steps=1",
+        "train.max_steps=3",
+        "train.eval_every_steps=null",
+        "checkpoint.every_steps=null",
+        "log.plots=false",
+        "model.lora.r=4",
+    ]
     assert main(["--config", str(CONFIG), *overrides]) == 0
     log = (run / "train.log").read_text()
     assert f"pads with its eos '{EOS}', which occurs inside the texts: padding with '<|endoftext|>'" in log
@@ -117,8 +128,9 @@ def test_a_tokenizer_without_pad_pools_the_last_token_of_a_text_holding_eos(smol
     copy = AutoTokenizer.from_pretrained(smol)
     copy.pad_token = None
     copy.save_pretrained(tmp_path / "tok")
-    cfg = load_config(CONFIG, [f"run.output_dir={tmp_path / 'run'}", f"model.tokenizer={tmp_path / 'tok'}",
-                               "model.lora=null"])  # fmt: skip
+    cfg = load_config(
+        CONFIG, [f"run.output_dir={tmp_path / 'run'}", f"model.tokenizer={tmp_path / 'tok'}", "model.lora=null"]
+    )
     tok = build_tokenizer(cfg)
     assert tok.pad_token == EOS  # provisional, until the texts are seen
     note = choose_pad_token(tok, [datasets.Dataset.from_dict(dict(tok(TEXTS)))])

@@ -17,8 +17,14 @@ from finetune.config_io import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
-SMALL = {"data.max_train_samples": 64, "data.max_eval_samples": 32, "train.micro_batch_size": 8,
-         "train.gradient_accumulation_steps": 1, "train.eval_every_steps": 2, "train.log_every_steps": 4}  # fmt: skip
+SMALL = {
+    "data.max_train_samples": 64,
+    "data.max_eval_samples": 32,
+    "train.micro_batch_size": 8,
+    "train.gradient_accumulation_steps": 1,
+    "train.eval_every_steps": 2,
+    "train.log_every_steps": 4,
+}
 
 
 def _study(root: Path) -> Any:
@@ -32,8 +38,10 @@ def test_sweep_writes_study_trials_and_a_best_yaml_that_trains(
     tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # loss is minimised: the study's direction follows checkpoint.best_metric
-    space = {"train.learning_rate": {"low": 1e-4, "high": 3e-3, "log": True},
-             "train.warmup_ratio": {"choices": [0.0, 0.1]}}
+    space = {
+        "train.learning_rate": {"low": 1e-4, "high": 3e-3, "log": True},
+        "train.warmup_ratio": {"choices": [0.0, 0.1]},
+    }
     cfg = write_tiny_config(tmp_path, {**SMALL, "checkpoint.best_metric": "loss", "sweep.space": space})
     assert cli_main(["sweep", "--config", str(cfg), "--trials", "2"]) == 0
     root = tmp_path / "run"
@@ -69,8 +77,14 @@ def test_a_trial_below_the_median_is_pruned_and_left_as_a_marked_run(tmp_path: P
     study = optuna.create_study(study_name="run", storage=f"sqlite:///{root / 'study.db'}", direction="maximize")
     space = load_config(cfg).sweep.space
     dist = {k: optuna.distributions.FloatDistribution(s.low, s.high, log=s.log) for k, s in space.items()}
-    study.add_trial(optuna.trial.create_trial(params={k: s.low for k, s in space.items()}, distributions=dist,
-                                              value=1.0, intermediate_values={2: 1.0, 4: 1.0, 6: 1.0}))
+    study.add_trial(
+        optuna.trial.create_trial(
+            params={k: s.low for k, s in space.items()},
+            distributions=dist,
+            value=1.0,
+            intermediate_values={2: 1.0, 4: 1.0, 6: 1.0},
+        )
+    )
     assert cli_main(["sweep", "--config", str(cfg), "--trials", "1"]) == 0
     trial = _study(root).trials[1]
     assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [2]  # stopped at the first evaluation
@@ -86,9 +100,12 @@ def test_a_trial_below_the_median_is_pruned_and_left_as_a_marked_run(tmp_path: P
 @pytest.mark.parametrize(
     "updates, argv_tail, needle",
     [
-        ({"sweep.space": {"train.learnig_rate": {"low": 1e-5, "high": 1e-3}}}, ["--trials", "2"],
-         "sweep.space: train.learnig_rate is not a config key that a trial can set (did you mean "
-         "train.learning_rate?)"),
+        (
+            {"sweep.space": {"train.learnig_rate": {"low": 1e-5, "high": 1e-3}}},
+            ["--trials", "2"],
+            "sweep.space: train.learnig_rate is not a config key that a trial can set (did you mean "
+            "train.learning_rate?)",
+        ),
         ({"sweep.space": {"run.output_dir": {"choices": ["a", "b"]}}}, ["--trials", "2"], "run.output_dir is not"),
         ({"sweep.space": {"train.learning_rate": {"low": 1e-3, "high": 1e-5}}}, ["--trials", "2"], "low <= high"),
         ({}, ["--trials", "0"], "--trials 0: a sweep runs at least one trial"),
@@ -96,7 +113,11 @@ def test_a_trial_below_the_median_is_pruned_and_left_as_a_marked_run(tmp_path: P
     ],
 )
 def test_sweep_bad_arguments_are_one_line(
-    tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str], updates: dict[str, Any], argv_tail: list[str],
+    tmp_path: Path,
+    data_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    updates: dict[str, Any],
+    argv_tail: list[str],
     needle: str,
 ) -> None:
     cfg = write_tiny_config(tmp_path, {**SMALL, **updates})

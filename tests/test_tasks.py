@@ -31,16 +31,28 @@ ROOT = Path(__file__).resolve().parent.parent
 GOEMOTIONS = {
     "model.problem_type": "multi_label_classification",
     # the smaller files stand in for train (43k rows take seconds to read): dev -> train, test -> validation and test
-    "data.train_file": "goemotions/dev.tsv", "data.validation_file": "goemotions/test.tsv",
-    "data.test_file": "goemotions/test.tsv", "data.format": "tsv", "data.header": False, "data.quoting": "minimal",
-    "data.column_names": ["text", "labels", "id"], "data.text_column": "text", "data.label_column": "labels",
-    "data.label_delimiter": ",", "data.labels_file": "goemotions/emotions.txt", "data.label_map": None,
-}  # fmt: skip
+    "data.train_file": "goemotions/dev.tsv",
+    "data.validation_file": "goemotions/test.tsv",
+    "data.test_file": "goemotions/test.tsv",
+    "data.format": "tsv",
+    "data.header": False,
+    "data.quoting": "minimal",
+    "data.column_names": ["text", "labels", "id"],
+    "data.text_column": "text",
+    "data.label_column": "labels",
+    "data.label_delimiter": ",",
+    "data.labels_file": "goemotions/emotions.txt",
+    "data.label_map": None,
+}
 STSB = {
     "model.problem_type": "regression",
-    "data.train_file": "stsb/dev.tsv", "data.validation_file": "stsb/dev.tsv", "data.text_column": "sentence1",
-    "data.text_pair_column": "sentence2", "data.label_column": "score", "data.label_map": None,
-}  # fmt: skip
+    "data.train_file": "stsb/dev.tsv",
+    "data.validation_file": "stsb/dev.tsv",
+    "data.text_column": "sentence1",
+    "data.text_pair_column": "sentence2",
+    "data.label_column": "score",
+    "data.label_map": None,
+}
 SGD = {**PLAIN_SGD, "data.max_eval_samples": 24}
 
 
@@ -69,8 +81,13 @@ def test_accumulated_sgd_equals_full_batch_gradient(shape: dict[str, Any], tmp_p
     scratch, tok, data, model, cfg = sgd_from_saved_start(tmp_path, {**shape, **SGD}, seed=7)
     init, run = tmp_path / "init", tmp_path / "run"
     assert main(["--config", str(cfg)]) == 0
-    sampler = WindowedBatchSampler(data.train["length"][:], batch_size=8, accumulation=2, seed=scratch.run.seed,
-                                   group_by_length=scratch.data.group_by_length)  # fmt: skip
+    sampler = WindowedBatchSampler(
+        data.train["length"][:],
+        batch_size=8,
+        accumulation=2,
+        seed=scratch.run.seed,
+        group_by_length=scratch.data.group_by_length,
+    )
     sampler.set_epoch(0)
     batches = list(sampler)
     windows = [[i for b in batches[w : w + 2] for (i, _, _) in b] for w in range(0, len(batches), 2)]
@@ -78,8 +95,9 @@ def test_accumulated_sgd_equals_full_batch_gradient(shape: dict[str, Any], tmp_p
     model.train()
     for idx in windows:
         rows = [data.train[i] for i in idx]
-        enc = tok.pad([{k: r[k] for k in ("input_ids", "attention_mask", "token_type_ids")} for r in rows],
-                      return_tensors="pt")  # fmt: skip
+        enc = tok.pad(
+            [{k: r[k] for k in ("input_ids", "attention_mask", "token_type_ids")} for r in rows], return_tensors="pt"
+        )
         labels = torch.tensor([r["labels"] for r in rows], dtype=torch.float32)
         logits = model(**enc).logits.float()
         if shape is STSB:
@@ -117,9 +135,11 @@ def test_metrics_against_numpy_and_scipy() -> None:
     probs = 1 / (1 + np.exp(-logits))
     th = tune_thresholds(truth, probs)
     for j in range(3):  # the tuned threshold is the F1-best on the grid (brute force)
+
         def f1(t: float, j: int = j) -> float:
             tp = float(((probs[:, j] >= t) & (truth[:, j] == 1)).sum())
             return 2 * tp / max(1.0, (probs[:, j] >= t).sum() + truth[:, j].sum())
+
         assert f1(th[j]) == pytest.approx(max(f1(t) for t in np.arange(0.05, 0.951, 0.05)))
     m = compute_metrics("multi_label_classification", truth, logits, ["a", "b", "c"], [0.5, 0.5, 0.5])
     pred = probs >= 0.5
@@ -142,8 +162,14 @@ def test_folder_per_label_reads_documents_and_skips_top_level_files(
         for i, text in enumerate(docs):
             (corpus / label / f"{i}.txt").write_text(text)
     (corpus / "README.TXT").write_text("not a document")
-    base = {"data.train_file": str(corpus), "data.validation_file": None, "data.validation_split": 0.5,
-            "data.label_map": None, "data.max_train_samples": None, "data.max_eval_samples": None}  # fmt: skip
+    base = {
+        "data.train_file": str(corpus),
+        "data.validation_file": None,
+        "data.validation_split": 0.5,
+        "data.label_map": None,
+        "data.max_train_samples": None,
+        "data.max_eval_samples": None,
+    }
     cfg = load_config(write_tiny_config(tmp_path, base))
     with caplog.at_level("INFO", logger="finetune"):
         raw = load_raw_splits(cfg)
@@ -167,11 +193,20 @@ def test_folder_per_label_reads_documents_and_skips_top_level_files(
 def test_label_files_and_duplicate_safe_validation_split(tmp_path: Path) -> None:
     (tmp_path / "pos.txt").write_text("great\nlovely\n\nsuperb\nsame text\n")
     (tmp_path / "neg.txt").write_text("awful\ndull\nsame text\nweak\n")
-    cfg = load_config(write_tiny_config(tmp_path, {
-        "data.train_file": None, "data.validation_file": None, "data.label_map": None,
-        "data.label_files": {"positive": str(tmp_path / "pos.txt"), "negative": str(tmp_path / "neg.txt")},
-        "data.validation_split": 0.3, "data.max_train_samples": None, "data.max_eval_samples": None,
-    }))  # fmt: skip
+    cfg = load_config(
+        write_tiny_config(
+            tmp_path,
+            {
+                "data.train_file": None,
+                "data.validation_file": None,
+                "data.label_map": None,
+                "data.label_files": {"positive": str(tmp_path / "pos.txt"), "negative": str(tmp_path / "neg.txt")},
+                "data.validation_split": 0.3,
+                "data.max_train_samples": None,
+                "data.max_eval_samples": None,
+            },
+        )
+    )
     raw = load_raw_splits(cfg)
     assert raw.label_names == ["negative", "positive"] and len(raw.train) + len(raw.validation) == 8
     assert not set(raw.train["text"][:]) & set(raw.validation["text"][:])  # "same text" on one side only
@@ -182,20 +217,42 @@ def test_multi_label_layouts_agree(tmp_path: Path) -> None:
     # the same three rows as ids joined by ',' (with a labels file), as JSON lists and as 0/1 columns
     (tmp_path / "names.txt").write_text("joy\nanger\nfear\n")
     (tmp_path / "ids.tsv").write_text("text\tlabels\nso happy\t0\nfurious and scared\t1,2\nhappy but scared\t0,2\n")
-    (tmp_path / "lists.jsonl").write_text("".join(json.dumps({"text": t, "labels": ls}) + "\n" for t, ls in [
-        ("so happy", ["joy"]), ("furious and scared", ["anger", "fear"]), ("happy but scared", ["joy", "fear"])]))
-    (tmp_path / "cols.csv").write_text("text,joy,anger,fear\nso happy,1,0,0\nfurious and scared,0,1,1\n"
-                                       "happy but scared,1,0,1\n")  # fmt: skip
-    common = {"model.problem_type": "multi_label_classification", "data.validation_file": None,
-              "data.label_map": None, "data.text_column": "text", "data.quoting": "minimal", "data.format": "auto",
-              "data.max_train_samples": None}  # fmt: skip
+    (tmp_path / "lists.jsonl").write_text(
+        "".join(
+            json.dumps({"text": t, "labels": ls}) + "\n"
+            for t, ls in [
+                ("so happy", ["joy"]),
+                ("furious and scared", ["anger", "fear"]),
+                ("happy but scared", ["joy", "fear"]),
+            ]
+        )
+    )
+    (tmp_path / "cols.csv").write_text(
+        "text,joy,anger,fear\nso happy,1,0,0\nfurious and scared,0,1,1\nhappy but scared,1,0,1\n"
+    )
+    common = {
+        "model.problem_type": "multi_label_classification",
+        "data.validation_file": None,
+        "data.label_map": None,
+        "data.text_column": "text",
+        "data.quoting": "minimal",
+        "data.format": "auto",
+        "data.max_train_samples": None,
+    }
     layouts = {
-        "ids": {"data.train_file": str(tmp_path / "ids.tsv"), "data.label_column": "labels",
-                "data.label_delimiter": ",", "data.labels_file": str(tmp_path / "names.txt")},
-        "lists": {"data.train_file": str(tmp_path / "lists.jsonl"), "data.label_column": "labels",
-                  "data.labels": ["joy", "anger", "fear"]},
+        "ids": {
+            "data.train_file": str(tmp_path / "ids.tsv"),
+            "data.label_column": "labels",
+            "data.label_delimiter": ",",
+            "data.labels_file": str(tmp_path / "names.txt"),
+        },
+        "lists": {
+            "data.train_file": str(tmp_path / "lists.jsonl"),
+            "data.label_column": "labels",
+            "data.labels": ["joy", "anger", "fear"],
+        },
         "cols": {"data.train_file": str(tmp_path / "cols.csv"), "data.label_columns": ["joy", "anger", "fear"]},
-    }  # fmt: skip
+    }
     targets = {}
     for name, layout in layouts.items():
         raw = load_raw_splits(load_config(write_tiny_config(tmp_path, {**common, **layout}, name=f"{name}.yaml")))
@@ -207,24 +264,59 @@ def test_multi_label_layouts_agree(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "updates, message",
     [
-        ({"data.train_file": "goemotions/dev.tsv", "data.format": "tsv", "data.header": False,
-          "data.column_names": ["text", "label", "id"], "data.text_column": "text", "data.label_column": "label",
-          "data.quoting": "minimal", "data.label_map": None, "data.validation_file": None},
-         "joins other labels with ','"),
-        ({"data.train_file": "goemotions/dev.tsv", "data.format": "tsv", "data.header": False,
-          "data.column_names": ["text", "label", "id"], "data.text_column": "text", "data.label_column": "text",
-          "data.quoting": "minimal", "data.label_map": None, "data.validation_file": None,
-          "model.problem_type": "regression"}, "is not a number (model.problem_type=regression)"),
-        ({"data.train_file": None, "data.validation_file": None, "data.label_map": None,
-          "data.validation_split": 0.2, "data.label_files": {"a": "nowhere/a.txt", "b": "nowhere/b.txt"}},
-         "does not exist"),
+        (
+            {
+                "data.train_file": "goemotions/dev.tsv",
+                "data.format": "tsv",
+                "data.header": False,
+                "data.column_names": ["text", "label", "id"],
+                "data.text_column": "text",
+                "data.label_column": "label",
+                "data.quoting": "minimal",
+                "data.label_map": None,
+                "data.validation_file": None,
+            },
+            "joins other labels with ','",
+        ),
+        (
+            {
+                "data.train_file": "goemotions/dev.tsv",
+                "data.format": "tsv",
+                "data.header": False,
+                "data.column_names": ["text", "label", "id"],
+                "data.text_column": "text",
+                "data.label_column": "text",
+                "data.quoting": "minimal",
+                "data.label_map": None,
+                "data.validation_file": None,
+                "model.problem_type": "regression",
+            },
+            "is not a number (model.problem_type=regression)",
+        ),
+        (
+            {
+                "data.train_file": None,
+                "data.validation_file": None,
+                "data.label_map": None,
+                "data.validation_split": 0.2,
+                "data.label_files": {"a": "nowhere/a.txt", "b": "nowhere/b.txt"},
+            },
+            "does not exist",
+        ),
         ({**GOEMOTIONS, "data.labels_file": "goemotions/missing.txt"}, "data.labels_file"),
-        ({**STSB, "data.train_file": "stsb/dev.tsv", "data.label_column": "genre", "data.max_train_samples": 5},
-         "is not a number"),
+        (
+            {**STSB, "data.train_file": "stsb/dev.tsv", "data.label_column": "genre", "data.max_train_samples": 5},
+            "is not a number",
+        ),
     ],
-    ids=["list_label_single_label", "regression_not_a_number", "label_file_missing", "labels_file_missing",
-         "regression_text_label"],
-)  # fmt: skip
+    ids=[
+        "list_label_single_label",
+        "regression_not_a_number",
+        "label_file_missing",
+        "labels_file_missing",
+        "regression_text_label",
+    ],
+)
 def test_bad_task_inputs_are_one_line(
     updates: dict[str, Any], message: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -236,10 +328,27 @@ def test_bad_task_inputs_are_one_line(
 
 def test_a_label_of_one_value_is_refused(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "one.csv").write_text("text,score\na,1.0\nb,1.0\nc,1.0\n")
-    base = {"data.train_file": str(tmp_path / "one.csv"), "data.validation_file": None, "data.label_map": None,
-            "data.format": "auto", "data.quoting": "minimal", "data.text_column": "text"}  # fmt: skip
-    assert main(["--config", str(write_tiny_config(tmp_path, {**base, "data.label_column": "score",
-                                                               "model.problem_type": "regression"}))]) == 2
+    base = {
+        "data.train_file": str(tmp_path / "one.csv"),
+        "data.validation_file": None,
+        "data.label_map": None,
+        "data.format": "auto",
+        "data.quoting": "minimal",
+        "data.text_column": "text",
+    }
+    assert (
+        main(
+            [
+                "--config",
+                str(
+                    write_tiny_config(
+                        tmp_path, {**base, "data.label_column": "score", "model.problem_type": "regression"}
+                    )
+                ),
+            ]
+        )
+        == 2
+    )
     assert "nothing to learn" in _one_line_error(capfd)
     assert main(["--config", str(write_tiny_config(tmp_path, {**base, "data.label_column": "score"}))]) == 2
     assert "at least 2 labels" in _one_line_error(capfd)
@@ -273,8 +382,9 @@ def test_shipped_task_configs_read_their_data(config: str, rows: tuple[int | Non
 @pytest.fixture(scope="module")
 def multi_label_run(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
     d = tmp_path_factory.mktemp("goemotions")
-    return _run(d, {**GOEMOTIONS, "data.max_train_samples": 96, "data.max_eval_samples": 48,
-                    "train.learning_rate": 3e-3})  # fmt: skip
+    return _run(
+        d, {**GOEMOTIONS, "data.max_train_samples": 96, "data.max_eval_samples": 48, "train.learning_rate": 3e-3}
+    )
 
 
 @pytest.mark.slow
@@ -301,8 +411,20 @@ def test_multi_label_final_config_pipeline_predict_and_evaluate(
         by_label = {o["label"]: o["score"] for o in out}
         assert [by_label[model.config.id2label[j]] for j in range(28)] == pytest.approx(row.tolist(), abs=1e-5)
     (tmp_path / "in.txt").write_text("\n".join(texts))
-    assert cli_main(["predict", "--model", str(final), "--input", str(tmp_path / "in.txt"),
-                     "--output", str(tmp_path / "out.jsonl")]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "predict",
+                "--model",
+                str(final),
+                "--input",
+                str(tmp_path / "in.txt"),
+                "--output",
+                str(tmp_path / "out.jsonl"),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     thresholds = config["label_thresholds"]
     for row, p in zip(rows, probs, strict=True):
@@ -343,8 +465,24 @@ def test_regression_pairs_pipeline_and_predict(tmp_path: Path) -> None:
     out = pipeline("text-classification", model=str(final), device="cpu")({"text": pair[0], "text_pair": pair[1]})
     assert (out[0] if isinstance(out, list) else out)["score"] == pytest.approx(expected, abs=1e-5)  # identity
     (tmp_path / "pairs.csv").write_text(f"a,b\n{pair[0]},{pair[1]}\n")
-    assert cli_main(["predict", "--model", str(final), "--input", str(tmp_path / "pairs.csv"), "--text-column", "a",
-                     "--pair-column", "b", "--output", str(tmp_path / "out.jsonl")]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "predict",
+                "--model",
+                str(final),
+                "--input",
+                str(tmp_path / "pairs.csv"),
+                "--text-column",
+                "a",
+                "--pair-column",
+                "b",
+                "--output",
+                str(tmp_path / "out.jsonl"),
+            ]
+        )
+        == 0
+    )
     row = json.loads((tmp_path / "out.jsonl").read_text())
     assert row["text_pair"] == pair[1] and row["score"] == pytest.approx(expected, abs=1e-5)
     rows = [json.loads(x) for x in (run / "predictions.jsonl").read_text().splitlines()]
@@ -368,9 +506,11 @@ def test_metric_registry_names_what_evaluation_computes() -> None:
     assert [m for m in METRICS if direction(m) == "minimize"] == ["mse", "loss"] and direction("other") == "maximize"
     # each problem type's headline metrics are exactly the headline metrics compute_metrics returns for it
     rng = np.random.default_rng(0)
-    cases = {"single_label_classification": (rng.integers(0, 3, 20), rng.normal(size=(20, 3))),
-             "multi_label_classification": ((rng.random((20, 3)) < 0.4).astype(np.float32), rng.normal(size=(20, 3))),
-             "regression": (rng.normal(size=20), rng.normal(size=(20, 1)))}  # fmt: skip
+    cases = {
+        "single_label_classification": (rng.integers(0, 3, 20), rng.normal(size=(20, 3))),
+        "multi_label_classification": ((rng.random((20, 3)) < 0.4).astype(np.float32), rng.normal(size=(20, 3))),
+        "regression": (rng.normal(size=20), rng.normal(size=(20, 1))),
+    }
     for kind, (y, logits) in cases.items():
         out = compute_metrics(kind, y, logits, ["a", "b", "c"])
         assert tuple(k for k in HEADLINE if k in out) == PROBLEM_TYPES[kind].headline, kind

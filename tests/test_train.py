@@ -86,9 +86,20 @@ def test_accelerate_launch_end_to_end_and_pipeline(data_dir: Path, tmp_path: Pat
     launcher = Path(sys.executable).parent / "accelerate"
     launch = [str(launcher), "launch"] if launcher.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
     cmd = [
-        *launch, "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "finetune/train.py", "--config", "configs/tiny-debug.yaml", f"run.output_dir={out}",
-    ]  # fmt: skip
+        *launch,
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "finetune/train.py",
+        "--config",
+        "configs/tiny-debug.yaml",
+        f"run.output_dir={out}",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "FINETUNE_DATA_DIR": str(data_dir)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

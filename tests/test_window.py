@@ -279,8 +279,10 @@ def test_heaviest_window_has_the_most_padded_tokens(group_by_length: bool) -> No
     s = WindowedBatchSampler(lengths, batch_size=4, accumulation=3, seed=5, group_by_length=group_by_length)
     s.set_epoch(1)
     batches = _windows(s)  # the micro-batches as the loader receives them, 3 to a window
-    cost = [max((len(b) * max(lengths[i] for i, _, _ in b), max(lengths[i] for i, _, _ in b)) for b in batches[w:w + 3])
-            for w in range(0, len(batches), 3)]  # fmt: skip
+    cost = [
+        max((len(b) * max(lengths[i] for i, _, _ in b), max(lengths[i] for i, _, _ in b)) for b in batches[w : w + 3])
+        for w in range(0, len(batches), 3)
+    ]
     assert s.heaviest_window() == cost.index(max(cost))
     assert s.heaviest_window(limit=5) == cost.index(max(cost[:5]))
 
