@@ -35,11 +35,13 @@ demo: setup data
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests --durations=15
 
 # the unit subset: no training runs, subprocess launches or real models (tests marked slow left out)
 test-fast: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests -m "not slow"
 
 clean-runs:
