@@ -1,14 +1,16 @@
-"""The model side of packed training batches (`data.packing`): several sequences per row, block-diagonal
-attention, each sequence pooled at its own first token. The batching side (rows packed, `segment_ids`) is
-`finetune.data`'s `PackingCollator`.
+"""Packed training batches (`data.packing`), both sides in one place: the batching side places several
+sequences per row (`pack_rows`) and builds the batch with `segment_ids` (`PackingCollator`); the model
+side masks attention block-diagonally and pools each sequence at its own first token (`packed_logits`).
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import torch
 
+from finetune.collate import Collator
 from finetune.errors import UserError
 from finetune.model import classifier_of
 
@@ -87,3 +89,88 @@ def packed_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
         ).logits
     finally:
         handle.remove()
+
+
+def pack_rows(lengths: list[int], max_length: int, attention_cost: float) -> tuple[int, list[tuple[int, int]]]:
+    """Place sequences of `lengths` into rows: (row width, [(row, offset)] per sequence).
+
+    For each candidate row count R (from the fewest rows that `max_length` allows up to one row
+    per sequence, ~k sequences per row for each k), sequences go longest first into the currently
+    emptiest row, which balances
+    the rows; the width W is the fullest row. The R minimising the modelled cost
+    R x W x (1 + attention_cost x W) wins: the per-token work of the linear layers is fixed, the
+    attention's grows with the row width, so packing short sequences into long rows is not free
+    (`attention_cost` = 1 / (2 hidden + intermediate) for a Transformer encoder layer). Rows
+    never exceed max(max_length, longest sequence).
+    """
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    cap = max(max_length, max(lengths))
+    fewest = max(1, -(-sum(lengths) // cap))
+    # about k sequences per row for every k: O(sqrt(n)) candidates keep large micro-batches cheap
+    candidates = sorted({max(fewest, -(-n // k)) for k in range(1, n + 1)})
+    best: tuple[float, int, list[tuple[int, int]]] | None = None
+    for rows in candidates:
+        heap = [(0, r) for r in range(rows)]  # (fill, row): the emptiest row on top
+        place: list[tuple[int, int]] = [(0, 0)] * n
+        for i in order:
+            filled, row = heapq.heappop(heap)
+            if filled + lengths[i] > cap:
+                break  # does not fit in this many rows
+            place[i] = (row, filled)
+            heapq.heappush(heap, (filled + lengths[i], row))
+        else:
+            fill = [f for f, _ in heap]
+            if min(fill) == 0:
+                continue  # an empty row: fewer rows do the same
+            width = max(fill)
+            cost = rows * width * (1.0 + attention_cost * width)
+            if best is None or cost < best[0]:
+                best = (cost, width, place)
+    assert best is not None  # rows = len(lengths) always fits
+    return best[1], best[2]
+
+
+class PackingCollator(Collator):
+    """Training batches with several sequences per row and block-diagonal attention.
+
+    Output: `input_ids`, `token_type_ids`, `position_ids` (restarting at 0 for every sequence)
+    and `segment_ids` (1.. per sequence in its row, 0 on padding) of shape (rows, C); `cls_index`
+    (one flat index into rows x C per sequence, in sample order, where its first token sits);
+    `sequence_lengths`; labels, weights and window size per sequence as in `Collator`. The model
+    side (`finetune.packing.packed_logits`) turns `segment_ids` into the attention mask and pools
+    at `cls_index`, so the logits equal those of the unpacked sequences.
+    """
+
+    def __init__(self, tokenizer: Any, max_length: int, attention_cost: float) -> None:
+        super().__init__(tokenizer)
+        self.max_length = max_length
+        self.attention_cost = attention_cost
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        lengths = [len(f["input_ids"]) for f in features]
+        capacity, place = pack_rows(lengths, self.max_length, self.attention_cost)
+        rows = 1 + max(r for r, _ in place)
+        input_ids = torch.full((rows, capacity), self.tokenizer.pad_token_id or 0, dtype=torch.long)
+        token_type_ids = torch.zeros((rows, capacity), dtype=torch.long)
+        position_ids = torch.zeros((rows, capacity), dtype=torch.long)
+        segment_ids = torch.zeros((rows, capacity), dtype=torch.long)
+        segments_in_row = [0] * rows
+        cls_index = []
+        for f, n, (row, offset) in zip(features, lengths, place, strict=True):
+            segments_in_row[row] += 1
+            input_ids[row, offset : offset + n] = torch.tensor(f["input_ids"])
+            if "token_type_ids" in f:
+                token_type_ids[row, offset : offset + n] = torch.tensor(f["token_type_ids"])
+            position_ids[row, offset : offset + n] = torch.arange(n)
+            segment_ids[row, offset : offset + n] = segments_in_row[row]
+            cls_index.append(row * capacity + offset)
+        batch = {
+            "input_ids": input_ids,
+            "token_type_ids": token_type_ids,
+            "position_ids": position_ids,
+            "segment_ids": segment_ids,
+            "cls_index": torch.tensor(cls_index),
+            "sequence_lengths": torch.tensor(lengths),
+        }
+        return self.add_bookkeeping(batch, features)

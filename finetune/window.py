@@ -9,7 +9,7 @@ all of them live here:
   (`micro_batch_ladder`) or to fall back to (`smaller_micro_batch`);
 - the sampler (`WindowedBatchSampler`): windows formed independently of the micro-batch, every item
   stamped with its window's sample count, short global batches filled with weight-0 rows; the
-  dataset wrapper (`WindowedDataset`) hands the stamp to `data.Collator` as `batch["window_samples"]`;
+  dataset wrapper (`WindowedDataset`) hands the stamp to `collate.Collator` as `batch["window_samples"]`;
 - the loss normaliser (`window_loss`);
 - redoing a window at a smaller micro-batch after running out of memory (`OutOfMemoryGuard`);
 - resuming under another launch's layout (`adapt_to_launch`).

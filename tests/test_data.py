@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS
 
+from finetune.collate import Collator
 from finetune.config import Config
 from finetune.config_io import load_config
-from finetune.data import Collator, build_data_report, tokenize_split
+from finetune.data import build_data_report, tokenize_split
 from finetune.reading import load_raw_splits
 
 

@@ -14,10 +14,10 @@ import torch
 from conftest import TINY
 from safetensors.torch import load_file
 
+from finetune.collate import Collator
 from finetune.config_io import load_config
-from finetune.data import Collator, PackingCollator, pack_rows
 from finetune.model import build_model, build_tokenizer
-from finetune.packing import attention_cost, packed_logits
+from finetune.packing import PackingCollator, attention_cost, pack_rows, packed_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -31,8 +31,8 @@ from conftest import TINY
 import finetune.train as train_mod
 from finetune import faults
 from finetune.checkpoint import TrainingProgress
+from finetune.collate import Collator
 from finetune.config_io import load_config
-from finetune.data import Collator
 from finetune.errors import UserError
 from finetune.window import (
     OutOfMemoryGuard,

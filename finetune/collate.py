@@ -1,0 +1,37 @@
+"""A batch from tokenized items: dynamic padding, plus the bookkeeping fields the loss and evaluation
+read (labels, the window's sample count and per-sample weights stamped by `window.WindowedBatchSampler`,
+the text a long text's window belongs to). `packing.PackingCollator` builds packed rows on top of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Collator:
+    """Dynamic padding plus the bookkeeping fields (labels, weights, window size, token counts)."""
+
+    MODEL_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        model_feats = [{k: f[k] for k in self.MODEL_KEYS if k in f} for f in features]
+        batch = dict(self.tokenizer.pad(model_feats, return_tensors="pt"))
+        return self.add_bookkeeping(batch, features)
+
+    @staticmethod
+    def add_bookkeeping(batch: dict[str, torch.Tensor], features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Labels, and for training items the window size and per-sample weights."""
+        if "labels" in features[0]:  # ids: int64; multi-hot rows and regression scores: float32
+            labels = torch.tensor([f["labels"] for f in features])
+            batch["labels"] = labels.float() if labels.is_floating_point() else labels
+        if "doc" in features[0]:  # chunked texts: evaluation aggregates the windows of each text
+            batch["doc"] = torch.tensor([f["doc"] for f in features], dtype=torch.long)
+        if "window_samples" in features[0]:
+            batch["window_samples"] = torch.tensor(features[0]["window_samples"], dtype=torch.float32)
+            batch["sample_weight"] = torch.tensor([f["sample_weight"] for f in features], dtype=torch.float32)
+        return batch
