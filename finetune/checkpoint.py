@@ -76,13 +76,6 @@ class TrainingProgress:
     log_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
     data_sha256: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def effective_batch(self) -> int | None:
-        """Micro-batch x accumulation x processes (None when the process count is unknown)."""
-        if self.num_processes is None:
-            return None
-        return self.micro_batch_size * self.gradient_accumulation_steps * self.num_processes
-
     def to_json(self) -> str:
         """progress.json text."""
         return json.dumps(dataclasses.asdict(self), indent=2)
