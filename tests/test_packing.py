@@ -156,18 +156,10 @@ def test_packing_refuses_what_it_does_not_cover(
 def test_two_processes_packed_equal_one_process_packed(tmp_path: Path, data_dir: Path) -> None:
     """Each process packs its own share of a global micro-batch: 2 processes x micro 4 end with the
     weights of 1 process x micro 8 (90 rows, global batch 8: a short last window)."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from test_multiprocess import _launch_two
 
     from finetune.train import main
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     common = [
         "run.overwrite=true",
         "data.packing=true",
@@ -177,30 +169,7 @@ def test_two_processes_packed_equal_one_process_packed(tmp_path: Path, data_dir:
         "train.gradient_accumulation_steps=1",
         "train.eval_every_steps=null",
     ]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(port),
-        str(ROOT / "finetune" / "train.py"),
-        "--config",
-        str(TINY),
-        f"run.output_dir={tmp_path / 'two'}",
-        "train.micro_batch_size=4",
-        *common,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = _launch_two(TINY, [f"run.output_dir={tmp_path / 'two'}", "train.micro_batch_size=4", *common])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert main(["--config", str(TINY), f"run.output_dir={tmp_path / 'one'}", "train.micro_batch_size=8", *common]) == 0
     w1, w2 = _final_weights(tmp_path / "one"), _final_weights(tmp_path / "two")
