@@ -214,6 +214,11 @@ class DataConfig(_Section):
     text_pair_column: str | None = Field(
         None, description="a second text per row (sentence pairs: NLI, paraphrase, similarity)"
     )
+    swap_pairs: bool = Field(
+        False,
+        description="pairs whose order carries no meaning (paraphrase, similarity): also train on every pair as "
+        "(second, first), which doubles the training rows of an epoch; evaluation reads the pairs as given",
+    )
     label_column: str = Field(
         "label",
         description="the column holding the label (single label, a list for multi-label, or a number for regression)",
@@ -313,6 +318,8 @@ class DataConfig(_Section):
             raise ValueError(
                 "data.label_columns (one 0/1 column per label) and data.label_delimiter exclude each other"
             )
+        if self.swap_pairs and self.text_pair_column is None:
+            raise ValueError("data.swap_pairs swaps the two texts of a pair: set data.text_pair_column")
         if self.validation_split is not None and (self.validation_file is not None):
             raise ValueError(
                 "data.validation_split carves a validation set from train: do not also set data.validation_file"

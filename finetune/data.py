@@ -138,6 +138,23 @@ def tokenize_split(
     return ds.map(encode, batched=True, with_indices=True, remove_columns=remove, desc="tokenize")
 
 
+def with_swapped_pairs(
+    raw_train: datasets.Dataset,
+    train: datasets.Dataset,
+    tokenizer: Any,
+    windowing: Windowing,
+    target: Callable[[Any], Any],
+) -> datasets.Dataset:
+    """`train` (tokenized from `raw_train`) followed by every pair tokenized as (second, first): a
+    model of a symmetric relation sees both orders, as sentence-transformers' cross-encoder STS-B
+    recipe trains. The copies count as texts of their own (`doc` after the originals)."""
+    swapped = raw_train.rename_columns({"text": "text_pair", "text_pair": "text"})
+    copies = tokenize_split(swapped, tokenizer, windowing, target)
+    offset = len(raw_train)
+    copies = copies.map(lambda b: {"doc": [d + offset for d in b["doc"]]}, batched=True, desc="swap pairs")
+    return datasets.concatenate_datasets([train, copies])
+
+
 def sample_weights(
     train: datasets.Dataset, label_names: list[str], class_weights: str | list[float] | None
 ) -> list[float] | None:
@@ -249,6 +266,8 @@ def format_data_report(report: dict[str, Any]) -> str:
             if "labels_per_row" in e:
                 balance = f"positives per label: {balance}; {e['labels_per_row']:.2f} labels/row"
         extra = f", {e['overlap_with_train']} also in train" if "overlap_with_train" in e else ""
+        if "swapped_rows" in e:
+            extra += f"; trains on {e['swapped_rows']} more rows with the pair's texts swapped"
         lines.append(
             f"{name}: {e['rows']} rows ({balance}); {e['duplicates_within']} duplicate texts{extra}; "
             f"{100 * e['truncated_fraction']:.1f}% truncated; {e['mean_tokens']:.1f} tokens/row"
@@ -299,10 +318,13 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
         for name, ds in (("train", raw.train), ("validation", raw.validation), ("test", raw.test))
         if ds is not None
     }
+    report = build_data_report(raw, tok)
+    if cfg.data.swap_pairs:
+        tok["train"] = with_swapped_pairs(raw.train, tok["train"], tokenizer, windowing, raw.target)
+        report["splits"]["train"]["swapped_rows"] = len(tok["train"]) - report["splits"]["train"]["rows"]
     weights = sample_weights(tok["train"], raw.label_names, cfg.train.class_weights)
     if weights is not None:
         tok["train"] = tok["train"].add_column("weight", weights)
-    report = build_data_report(raw, tok)
     sha = {split: file_sha256(p) for split, p in raw.files.items()}
     held_out = {n: ds for n, ds in (("validation", raw.validation), ("test", raw.test)) if ds is not None}
     return Data(
