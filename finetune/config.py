@@ -141,6 +141,13 @@ class ModelConfig(_Section):
         "random: the model's own init everywhere",
         json_schema_extra=MAY_CHANGE_ON_RESUME,  # a resumed run's head comes from the checkpoint
     )
+    dropout: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="every dropout probability of the model (hidden, attention, classifier) set to this; "
+        "null: the checkpoint's own (0.1 in BERT-family models)",
+    )
     compile: bool = Field(
         False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
     )

@@ -193,6 +193,8 @@ def build_model(
     use_pad_token(model, tokenizer)
     if cfg.train.reinit_top_layers:
         reinit_top_layers(model, cfg.train.reinit_top_layers)
+    if m.dropout is not None:  # before LoRA, whose adapters keep model.lora.dropout
+        set_dropout(model, m.dropout)
     if targets is not None and m.head_init == "prior":
         note = init_head(model, m.problem_type, targets)
         if note and notes is not None:
@@ -649,6 +651,30 @@ def reinit_top_layers(model: PreTrainedModel, n: int) -> None:
         for module in block.modules():
             module._is_hf_initialized = False
         block.apply(model._init_weights)
+
+
+# config keys that hold a dropout probability across families (BERT's hidden_dropout_prob, Llama's
+# attention_dropout, GPT-2's resid_pdrop, T5's dropout_rate)
+DROPOUT_KEYS = ("dropout", "dropout_prob", "dropout_rate", "pdrop")
+
+
+def set_dropout(model: PreTrainedModel, p: float) -> list[str]:
+    """Every dropout of the model at `p`: its `nn.Dropout` modules, the attention probability the
+    attention functions read from a module attribute (`attention_dropout`), and the config keys, so
+    that final/config.json says what was trained. Returns the config keys it set."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+        elif isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = p
+    keys = [
+        k
+        for k, v in model.config.to_dict().items()
+        if k.endswith(DROPOUT_KEYS) and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
+    for k in keys:
+        setattr(model.config, k, p)
+    return keys
 
 
 # LoRA targets when `model.lora.target_modules` is unset: the attention's query and value

@@ -236,6 +236,29 @@ def test_text_pair_column(tmp_path: Path, data_dir: Path) -> None:
     assert enc["labels"][:] == [1, 0]
 
 
+def test_swap_pairs_trains_both_orders(tmp_path: Path, data_dir: Path) -> None:
+    """data.swap_pairs: training holds every pair as given and as (second, first), each as the tokenizer
+    encodes it called directly, with its label and a text id of its own; validation stays as given."""
+    from finetune.data import build_data, format_data_report
+    from finetune.errors import UserError
+    from finetune.model import build_tokenizer
+
+    (tmp_path / "pairs.csv").write_text("a,b,label\nit rains,it is wet,1\nthe sun is out,it is dark outside,0\n")
+    pair = {"data.text_column": "a", "data.text_pair_column": "b"}
+    cfg = _local_cfg(tmp_path, "pairs.csv", {**pair, "data.swap_pairs": True, "data.validation_file": "pairs.csv"})
+    tok = build_tokenizer(cfg)
+    data = build_data(cfg, tok)
+    rows = [("it rains", "it is wet", 1), ("the sun is out", "it is dark outside", 0)]
+    expected = [(tok(a, b)["input_ids"], y) for a, b, y in rows] + [(tok(b, a)["input_ids"], y) for a, b, y in rows]
+    assert list(zip(data.train["input_ids"][:], data.train["labels"][:], strict=True)) == expected
+    assert sorted(data.train["doc"][:]) == [0, 1, 2, 3]
+    assert data.validation["input_ids"][:] == [tok(a, b)["input_ids"] for a, b, _ in rows]
+    assert data.report["splits"]["train"]["rows"] == 2 and data.report["splits"]["train"]["swapped_rows"] == 2
+    assert "2 more rows with the pair's texts swapped" in format_data_report(data.report)
+    with pytest.raises(UserError, match="data.swap_pairs swaps the two texts of a pair"):
+        _local_cfg(tmp_path, "pairs.csv", {"data.swap_pairs": True})
+
+
 def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> None:
     """configs/sst2-hub.yaml's data section on a stand-in for `datasets.load_dataset`
     (hub SST-2 has ClassLabel labels)."""
