@@ -123,3 +123,30 @@ def test_lora_run_end_to_end_loads_in_a_pipeline(tiny_config: Callable[..., Path
     assert not any("lora" in k for k in st.load_file(str(final / "model.safetensors")))
     out = pipeline("text-classification", model=str(final))("a great movie")
     assert out[0]["label"] in NAMES
+
+
+def test_model_dropout_sets_every_dropout_of_the_model() -> None:
+    """model.dropout: 0 makes a train-mode forward equal the eval-mode one (the reference: no dropout
+    anywhere) on a model whose checkpoint config has dropout; a non-zero value reaches every module
+    and the config keys final/config.json is written from; Llama's attention reads a float attribute."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from finetune.model import set_dropout
+
+    drop = ("model.architecture.hidden_dropout_prob=0.3", "model.architecture.attention_probs_dropout_prob=0.3")
+    model, tok = _model(*drop, "model.dropout=0")
+    batch = _batch(tok)
+    with torch.no_grad():
+        trained = model.train()(**batch).logits
+        assert torch.equal(trained, model.eval()(**batch).logits)
+    assert model.config.hidden_dropout_prob == 0.0 and model.config.attention_probs_dropout_prob == 0.0
+    model, _ = _model(*drop, "model.dropout=0.5")
+    assert {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {0.5}
+    with torch.no_grad():
+        assert not torch.equal(model.train()(**batch).logits, model.eval()(**batch).logits)
+    arch = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    llama = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("llama", vocab_size=64, **arch))
+    assert "attention_dropout" in set_dropout(llama, 0.2)
+    attentions = [m for m in llama.modules() if hasattr(m, "attention_dropout")]
+    assert len(attentions) == 2 and all(m.attention_dropout == 0.2 for m in attentions)
+    assert llama.config.attention_dropout == 0.2
