@@ -12,7 +12,7 @@ import difflib
 import re
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -141,12 +141,11 @@ class ModelConfig(_Section):
         "random: the model's own init everywhere",
         json_schema_extra=MAY_CHANGE_ON_RESUME,  # a resumed run's head comes from the checkpoint
     )
-    dropout: float | None = Field(
-        None,
-        ge=0.0,
-        lt=1.0,
-        description="every dropout probability of the model (hidden, attention, classifier) set to this; "
-        "null: the checkpoint's own (0.1 in BERT-family models)",
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] | Literal["auto"] | None = Field(
+        "auto",
+        description="every dropout probability of the model (hidden, attention, classifier) set to this; null: the "
+        "checkpoint's own (0.1 in BERT-family models); auto: 0 for regression (train-time dropout shifts the "
+        "spread of a regression output that evaluation, without dropout, sees: docs/BENCHMARKS.md), else null",
     )
     compile: bool = Field(
         False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
@@ -173,6 +172,13 @@ class ModelConfig(_Section):
                 "be trained: set model.lora (e.g. model.lora={r: 8}) to train adapters on it (QLoRA)"
             )
         return self
+
+    @property
+    def dropout_p(self) -> float | None:
+        """The dropout probability `model.dropout` sets for this problem type; None keeps the checkpoint's."""
+        if self.dropout == "auto":
+            return 0.0 if self.problem_type == REGRESSION else None
+        return self.dropout
 
     @property
     def source(self) -> str | None:

@@ -193,8 +193,8 @@ def build_model(
     use_pad_token(model, tokenizer)
     if cfg.train.reinit_top_layers:
         reinit_top_layers(model, cfg.train.reinit_top_layers)
-    if m.dropout is not None:  # before LoRA, whose adapters keep model.lora.dropout
-        set_dropout(model, m.dropout)
+    if m.dropout_p is not None:  # before LoRA, whose adapters keep model.lora.dropout
+        set_dropout(model, m.dropout_p)
     if targets is not None and m.head_init == "prior":
         note = init_head(model, m.problem_type, targets)
         if note and notes is not None:

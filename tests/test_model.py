@@ -150,3 +150,15 @@ def test_model_dropout_sets_every_dropout_of_the_model() -> None:
     attentions = [m for m in llama.modules() if hasattr(m, "attention_dropout")]
     assert len(attentions) == 2 and all(m.attention_dropout == 0.2 for m in attentions)
     assert llama.config.attention_dropout == 0.2
+
+
+def test_model_dropout_auto_is_zero_for_regression_only() -> None:
+    regression = load_config(TINY, ["model.problem_type=regression", "data.label_map=null"])
+    assert regression.model.dropout == "auto" and regression.model.dropout_p == 0.0
+    assert load_config(TINY).model.dropout_p is None  # single-label keeps the checkpoint's dropout
+    assert (
+        load_config(
+            TINY, ["model.problem_type=regression", "data.label_map=null", "model.dropout=null"]
+        ).model.dropout_p
+        is None
+    )
