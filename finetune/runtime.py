@@ -35,6 +35,8 @@ from finetune.errors import UserError
 from finetune.precision import accelerate_mixed_precision, check_supported, fp32_norms_enabled
 
 logger = logging.getLogger("finetune")
+# train.log only: the terminal already shows these in the progress bar, a log file has no bar to show them
+progress_log = logging.getLogger("finetune.progress")
 
 # the parent when this module was imported: a launcher that is PID 1 itself (a container's entrypoint)
 # is a live parent, so "reparented" means "parent changed", not "parent is 1"
@@ -373,12 +375,15 @@ def configure_determinism(enabled: bool) -> None:
 
 
 def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
-    """Log to stderr on the main process (and to train.log in the run directory)."""
-    for handler in logger.handlers:
+    """Log to stderr on the main process (and to train.log in the run directory); `progress_log`'s
+    training and evaluation rows go to train.log only."""
+    for handler in logger.handlers + progress_log.handlers:
         handler.close()  # the previous run's train.log (in-process runs: tests, notebooks) is not left open
     logger.handlers.clear()
+    progress_log.handlers.clear()
     logger.setLevel(logging.INFO if accelerator.is_main_process else logging.WARNING)
-    logger.propagate = False
+    progress_log.setLevel(logging.INFO)
+    logger.propagate = progress_log.propagate = False
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(stream)
@@ -386,6 +391,7 @@ def setup_logging(accelerator: Accelerator, run_dir: Path | None) -> None:
         fh = logging.FileHandler(run_dir / "train.log")
         fh.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         logger.addHandler(fh)
+        progress_log.addHandler(fh)
 
 
 # seconds between two progress lines when stderr is not a terminal (TQDM_MININTERVAL overrides it): a

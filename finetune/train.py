@@ -90,6 +90,7 @@ from finetune.runtime import (
     configure_determinism,
     end_job,
     optimizer_step_out_of_memory,
+    progress_log,
     resume_hint,
     setup_logging,
     several_processes,
@@ -497,6 +498,10 @@ def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     progress.samples_seen += int(samples)
     row.update(run.precision.fields())  # compile_graphs, loss_scale, skipped steps
     record_row(run.accelerator, run.metrics_file, row)
+    progress_log.info(
+        f"step {progress.step}/{run.total_steps} epoch {progress.epoch + 1}/{run.num_epochs}: loss {row['loss']:.4f}, "
+        f"lr {row['lr']:.2e}, {row['samples_per_s']:.1f} samples/s, peak {row['peak_memory_bytes'] / 2**20:,.0f} MiB"
+    )
     run.bar.set_postfix(
         {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}", "samples/s": f"{row['samples_per_s']:.1f}"},
         refresh=False,
@@ -514,6 +519,7 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     record_row(run.accelerator, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
     if run.accelerator.is_main_process:  # tqdm.write prints even from a disabled bar: once per rank
         run.bar.write(f"step {progress.step}: eval {headline(progress.eval)}")
+        progress_log.info(f"step {progress.step}: eval {headline(progress.eval)}, loss {progress.eval['loss']:.4f}")
     sums.started += time.perf_counter() - started
     if run.report is not None:
         run.report(progress.step, progress.eval)

@@ -231,14 +231,25 @@ def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(
 ) -> None:
     """A job log (stderr not a terminal) got tqdm's carriage-return frames, one per step and more: now a
     plain line per interval (here 0 s: one per step) with step/total, elapsed, ETA, rate, loss and
-    samples/s; a terminal keeps tqdm's bar."""
+    samples/s; a terminal keeps tqdm's bar. train.log, which has no bar, gets each training row and each
+    evaluation as a line, with metrics.jsonl's values; stderr does not get them twice."""
     import io
 
     monkeypatch.setenv("TQDM_MININTERVAL", "0")
-    cfg = tiny_config({"data.max_train_samples": 64, "train.log_every_steps": 1})
+    cfg = tiny_config({"data.max_train_samples": 64, "train.log_every_steps": 1, "train.eval_every_steps": 1})
     assert train_mod.main(["--config", str(cfg)]) == 0
     err = capsys.readouterr().err
     assert "\r" not in err
+    run_dir = cfg.parent / "run"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows, eval_rows = [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2] and [r["step"] for r in eval_rows][:1] == [1]
+    log = (run_dir / "train.log").read_text()
+    for r in train_rows:
+        line = f"step {r['step']}/2 epoch 1/1: loss {r['loss']:.4f}, lr {r['lr']:.2e}"
+        assert line in log and line not in err, log
+    assert f"step 1: eval accuracy {eval_rows[0]['eval_accuracy']:.4f}" in log
+    assert f"loss {eval_rows[0]['eval_loss']:.4f}" in log
     lines = [line for line in err.splitlines() if line.startswith("train ")]
     assert [line.split(" |")[0] for line in lines] == ["train 0/2", "train 1/2", "train 2/2"], err
     assert "elapsed 00:0" in lines[-1] and "ETA 00:00" in lines[-1] and "step/s" in lines[-1]
@@ -304,7 +315,9 @@ def test_setup_logging_closes_the_previous_log_file(tmp_path: Path) -> None:
     assert [h.baseFilename for h in train_mod.logger.handlers if isinstance(h, logging.FileHandler)] == [
         str(tmp_path / "b" / "train.log")
     ]
+    assert [h.baseFilename for h in runtime.progress_log.handlers] == [str(tmp_path / "b" / "train.log")]
     runtime.setup_logging(acc, None)
+    assert runtime.progress_log.handlers == []  # no run directory: the rows have nowhere to go, not stderr
 
 
 @pytest.mark.slow
