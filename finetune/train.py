@@ -518,8 +518,9 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     ckpt.update_best(progress.best, run.cfg.checkpoint.best_metric, progress.eval, progress.step)
     record_row(run.accelerator, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
     if run.accelerator.is_main_process:  # tqdm.write prints even from a disabled bar: once per rank
-        run.bar.write(f"step {progress.step}: eval {headline(progress.eval)}")
-        progress_log.info(f"step {progress.step}: eval {headline(progress.eval)}, loss {progress.eval['loss']:.4f}")
+        line = f"step {progress.step}: eval {headline(progress.eval)}"
+        run.bar.write(line)
+        progress_log.info(f"{line}, loss {progress.eval['loss']:.4f}")
     sums.started += time.perf_counter() - started
     if run.report is not None:
         run.report(progress.step, progress.eval)
