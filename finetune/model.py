@@ -195,6 +195,8 @@ def build_model(
         reinit_top_layers(model, cfg.train.reinit_top_layers)
     if m.dropout_p is not None:  # before LoRA, whose adapters keep model.lora.dropout
         set_dropout(model, m.dropout_p)
+    if m.pooler_init == "identity":
+        identity_pooler(model)
     if targets is not None and m.head_init == "prior":
         note = init_head(model, m.problem_type, targets)
         if note and notes is not None:
@@ -651,6 +653,20 @@ def reinit_top_layers(model: PreTrainedModel, n: int) -> None:
         for module in block.modules():
             module._is_hf_initialized = False
         block.apply(model._init_weights)
+
+
+def identity_pooler(model: PreTrainedModel) -> None:
+    """The pooler's dense layer at W = I, b = 0, so that the classifier reads tanh of the CLS state at full scale.
+
+    Raises:
+        UserError: the model has no square pooler dense layer (only BERT-family encoders have one).
+    """
+    dense = getattr(getattr(getattr(model, model.base_model_prefix, None), "pooler", None), "dense", None)
+    if not isinstance(dense, torch.nn.Linear) or dense.in_features != dense.out_features:
+        raise UserError(f"model.pooler_init=identity: {type(model).__name__} has no pooler dense layer to set")
+    with torch.no_grad():
+        dense.weight.copy_(torch.eye(dense.out_features, dtype=dense.weight.dtype, device=dense.weight.device))
+        dense.bias.zero_()
 
 
 # config keys that hold a dropout probability across families (BERT's hidden_dropout_prob, Llama's

@@ -162,3 +162,27 @@ def test_model_dropout_auto_is_zero_for_regression_only() -> None:
         ).model.dropout_p
         is None
     )
+
+
+def test_pooler_init_identity_passes_the_cls_state_through_tanh() -> None:
+    """model.pooler_init: identity makes BERT's pooled output tanh(h_CLS) (the reference: the encoder's last
+    hidden state at position 0 through torch.tanh); the default keeps the initialised weights; a family without
+    a pooler is a one-line error."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from finetune.model import identity_pooler
+
+    model, tok = _model("model.pooler_init=identity")
+    batch = _batch(tok)
+    model.eval()
+    with torch.no_grad():
+        hidden = model.bert(**batch).last_hidden_state
+        pooled = model.bert.pooler(hidden)
+    torch.testing.assert_close(pooled, torch.tanh(hidden[:, 0]), rtol=0, atol=1e-6)
+    default, _ = _model()
+    eye = torch.eye(default.bert.pooler.dense.in_features)
+    assert not torch.allclose(default.bert.pooler.dense.weight, eye)
+    arch = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    llama = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("llama", vocab_size=64, **arch))
+    with pytest.raises(UserError, match="pooler_init=identity: LlamaForSequenceClassification has no pooler"):
+        identity_pooler(llama)
