@@ -323,6 +323,7 @@ def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Pat
         "memory.record_history",
         "log.trackers",
         "model.head_init",
+        "model.pooler_init",  # like head_init: a resumed run's weights come from the checkpoint
         "data.data_dir",
         "data.num_workers",
         "precision.empty_cache",
