@@ -5,8 +5,8 @@ reads the CLS token through a dense + tanh pooler that training never shaped. Th
 training loop in-process with `BertPooler` patched to the masked mean of the last hidden states (no
 dense, no tanh), to measure the difference. The patch is for measurement only: a final/ trained this
 way does not load with mean pooling in `transformers.pipeline` (BERT has no such option without remote
-code), so the app keeps the CLS pooler. `--identity` keeps the stock pooler but starts its dense layer at the
-identity (a weights-only change that final/ would keep).
+code), so the app keeps the CLS pooler. `--identity` keeps the stock pooler and sets the app's own
+`model.pooler_init=identity` (its dense layer starts at the identity: a weights-only change final/ keeps).
 
     .venv/bin/python scripts/bench_pooling.py --config configs/mrpc-minilm.yaml [--mean | --identity] [overrides ...]
 
@@ -48,24 +48,6 @@ def patch_mean_pooling() -> None:
     bert.BertPooler.forward = pool
 
 
-def patch_identity_pooler() -> None:
-    """The CLS pooler's dense layer set to the identity (bias 0) after loading: a stock BERT pooler whose output
-    is tanh of the CLS state at full scale, instead of the checkpoint's untrained, near-zero weights."""
-    import finetune.assemble as assemble
-
-    build = assemble.build_model
-
-    def build_identity(*args: Any, **kwargs: Any) -> Any:
-        model = build(*args, **kwargs)
-        dense = model.bert.pooler.dense
-        with torch.no_grad():
-            dense.weight.copy_(torch.eye(dense.out_features, dense.in_features))
-            dense.bias.zero_()
-        return model
-
-    assemble.build_model = build_identity
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
@@ -78,13 +60,12 @@ def main() -> None:
         parser.error("--mean and --identity exclude each other")
     if args.mean:
         patch_mean_pooling()
-    if args.identity:
-        patch_identity_pooler()
     pooling = "mean" if args.mean else "identity" if args.identity else "cls"
     out = Path(args.out) / pooling
     start = time.perf_counter()
     code = train_main(
         ["--config", args.config, f"run.output_dir={out}", "run.overwrite=true", "log.plots=false", *args.overrides]
+        + (["model.pooler_init=identity"] if args.identity else [])
     )
     final = json.loads((out / "eval.json").read_text())
     keep = {k: v for k, v in final.items() if isinstance(v, float)}
