@@ -664,9 +664,8 @@ def identity_pooler(model: PreTrainedModel) -> None:
     dense = getattr(getattr(getattr(model, model.base_model_prefix, None), "pooler", None), "dense", None)
     if not isinstance(dense, torch.nn.Linear) or dense.in_features != dense.out_features:
         raise UserError(f"model.pooler_init=identity: {type(model).__name__} has no pooler dense layer to set")
-    with torch.no_grad():
-        dense.weight.copy_(torch.eye(dense.out_features, dtype=dense.weight.dtype, device=dense.weight.device))
-        dense.bias.zero_()
+    torch.nn.init.eye_(dense.weight)
+    torch.nn.init.zeros_(dense.bias)
 
 
 # config keys that hold a dropout probability across families (BERT's hidden_dropout_prob, Llama's
