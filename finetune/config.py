@@ -436,6 +436,14 @@ class TrainConfig(_Section):
         ge=0,
         description="bootstrap resamples for the 95% confidence intervals of eval.json's headline metrics (0: none)",
     )
+    calibrate: bool = Field(
+        True,
+        description="single-label with a validation set: fit a temperature on validation after training and fold "
+        "it into final/'s output layer (calibrated probabilities; ECE and Brier before/after in eval.json); "
+        "multi-label and regression are left as trained",
+        # applied to final/ at the end only: the checkpoints hold the weights as trained
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
 
     @model_validator(mode="after")
     def _patience(self) -> TrainConfig:

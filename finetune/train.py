@@ -45,6 +45,7 @@ from finetune.assemble import (
     step_bar,
     train_targets,
 )
+from finetune.calibrate import calibrate, fold_temperature, plot_reliability
 from finetune.card import write_model_card
 from finetune.checkpoint import TrainingProgress
 from finetune.config import Config
@@ -96,6 +97,7 @@ from finetune.runtime import (
     several_processes,
     tracker_init_kwargs,
 )
+from finetune.tasks import SINGLE
 from finetune.window import OutOfMemoryGuard, adapt_to_launch, window_loss
 
 logger = logging.getLogger("finetune")
@@ -613,6 +615,31 @@ def final_memory_report(run: Run, step: int) -> dict[str, Any]:
     return report
 
 
+def calibrate_final(run: Run, final: dict[str, Any]) -> None:
+    """Single-label with validation (`train.calibrate`): a temperature fitted on the validation logits of
+    final/'s weights, folded into the output layer before the test evaluation and the export, so eval.json,
+    predictions.jsonl and final/ all give the calibrated probabilities; eval.json's `calibration` holds the
+    temperature and the ECE / Brier score / NLL on validation before and after."""
+    cfg = run.cfg
+    if not cfg.train.calibrate or run.eval_loader is None or cfg.model.problem_type != SINGLE:
+        return
+    if "validation" not in run.outputs:  # a finished run resumed: its last evaluation was in the earlier process
+        evaluate_split(run, "validation")
+    out = run.outputs["validation"]
+    final["calibration"] = calibrate(out.logits.numpy(), out.labels.numpy())
+    temperature = final["calibration"]["temperature"]
+    fold_temperature(run.accelerator.unwrap_model(run.model), temperature)
+    if cfg.log.plots and run.accelerator.is_main_process:
+        plot_reliability(out.logits.numpy(), out.labels.numpy(), temperature, run.run_dir / "reliability.png")
+    out.logits = out.logits / temperature  # what final/ now computes
+    final["loss"] = final["calibration"]["nll_after"]
+    logger.info(
+        f"calibration: temperature {temperature:.4f} on validation; ECE {final['calibration']['ece_before']:.4f} "
+        f"-> {final['calibration']['ece_after']:.4f}, Brier {final['calibration']['brier_before']:.4f} "
+        f"-> {final['calibration']['brier_after']:.4f}"
+    )
+
+
 def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str, Any]:
     """Final evaluation and checkpoint, then final/ and an eval.json that describes final/'s weights."""
     acc, cfg = run.accelerator, run.cfg
@@ -638,6 +665,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     if best is not None:
         best_step = ckpt.read_progress(best).step
         final = {**evaluate_split(run, "validation"), "step": best_step, "exported": "best"}
+    calibrate_final(run, final)
     thresholds = final.get("thresholds")  # multi-label: tuned on validation, applied to test and in final/
     if thresholds is None and cfg.model.problem_type == "multi_label_classification":
         thresholds = [0.5] * len(run.data.label_names)  # no validation to tune on: never tune on test

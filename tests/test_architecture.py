@@ -36,6 +36,7 @@ LAYERS = [
     "peak",
     "planner",
     "metrics",
+    "calibrate",
     "checkpoint",
     "final",
     "predict",
