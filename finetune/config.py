@@ -93,8 +93,8 @@ class ModelConfig(_Section):
     )
     name_or_path: str | None = Field(
         "minilm-l6",
-        description="a local model directory, a package alias (minilm-l6; smollm2-135m, a decoder), a .gguf file, or "
-        "a hub id (needs network)",
+        description="a local model directory, a package alias (minilm-l6; mpnet-base, needs the mpnet extra; "
+        "smollm2-135m, a decoder), a .gguf file, or a hub id (needs network)",
     )
     gguf_file: str | None = Field(
         None,

@@ -47,7 +47,7 @@ def _from_pretrained(factory: Any, name: str, what: str, **kwargs: Any) -> Any:
                 reason = f"it is not a local directory and the hub did not provide it ({first})"
             raise UserError(
                 f"cannot load {what} {name!r}: {reason}; set model.name_or_path to a local directory, a .gguf file "
-                "or an alias ('minilm-l6', 'smollm2-135m')"
+                "or an alias ('minilm-l6', 'mpnet-base', 'smollm2-135m')"
             ) from None
         raise UserError(f"cannot load {what} from {path}: {str(exc).splitlines()[0]}") from None
 
