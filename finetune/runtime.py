@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from finetune.config import Config
 from finetune.errors import UserError
 from finetune.precision import accelerate_mixed_precision, check_supported, fp32_norms_enabled
+from finetune.trackers import reach_trackers
 
 logger = logging.getLogger("finetune")
 # train.log only: the terminal already shows these in the progress bar, a log file has no bar to show them
@@ -116,8 +117,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
     Raises:
         UserError: the launch config contradicts the run config (accumulation, dynamo), the
             precision mode is not supported on this device, a tracker's package is missing, a
-            launch of several processes reached Accelerate as one, or FSDP was asked for with a
-            setting it cannot run (`check_fsdp`).
+            launch of several processes reached Accelerate as one, FSDP was asked for with a
+            setting it cannot run (`check_fsdp`), or a tracker's server cannot be reached.
     """
     check_launch_dynamo(cfg)
     check_trackers(cfg.log.trackers)
@@ -137,6 +138,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
         project_dir=cfg.run.output_dir,
     )
     check_supported(cfg.precision.mode, accelerator.device)
+    if accelerator.is_main_process:  # trackers log from the main process only
+        reach_trackers(cfg.log.trackers)
     world = os.environ.get("WORLD_SIZE", "1")
     if world.isdigit() and int(world) > 1 and accelerator.num_processes == 1:
         # seen on a CPU-only machine: a launch without ACCELERATE_USE_CPU=1, and DeepSpeed's CPU accelerator

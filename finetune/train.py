@@ -98,6 +98,7 @@ from finetune.runtime import (
     tracker_init_kwargs,
 )
 from finetune.tasks import SINGLE
+from finetune.trackers import start_trackers
 from finetune.window import OutOfMemoryGuard, adapt_to_launch, window_loss
 
 logger = logging.getLogger("finetune")
@@ -215,8 +216,7 @@ def train(
         if note:
             logger.info(note)
     logger.info(describe_setup(cfg, model, data, (micro, G, P), (total_steps, num_epochs), threads))
-    if cfg.log.trackers:
-        accelerator.init_trackers("finetune", flat_config(cfg), tracker_init_kwargs(cfg.log.trackers, run_dir))
+    start_trackers(accelerator, flat_config(cfg), tracker_init_kwargs(cfg.log.trackers, run_dir))
     ckpt.warn_if_disk_small(run_dir, disk_need(cfg, model))
 
     loaders = [x for x in (eval_loader, test_loader) if x is not None]

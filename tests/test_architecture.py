@@ -31,6 +31,7 @@ LAYERS = [
     "reading",
     "data",
     "optim",
+    "trackers",
     "runtime",
     "memory",
     "peak",
