@@ -129,10 +129,18 @@ def _load_classifier(model_dir: str) -> tuple[Any, Any]:
 
 
 def _cmd_predict(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="finetune predict", description="Label texts with an exported model.")
-    parser.add_argument("--model", required=True, help="exported model directory (<run>/final)")
-    parser.add_argument("--input", required=True, help=".txt (one text per line), .csv/.tsv with a header, or .jsonl")
-    parser.add_argument("--output", required=True, help=".jsonl or .csv")
+    parser = argparse.ArgumentParser(
+        prog="finetune predict",
+        description="Label texts with an exported model, streamed in chunks; a stopped run continues when the "
+        "same command is run again.",
+    )
+    parser.add_argument(
+        "--model", required=True, help="a run's final/ (--backend pytorch) or an ONNX export (--backend onnx)"
+    )
+    parser.add_argument(
+        "--input", required=True, help=".txt (one text per line), .csv/.tsv with a header, .jsonl, .json or .parquet"
+    )
+    parser.add_argument("--output", required=True, help=".jsonl, .csv or .parquet")
     parser.add_argument("--text-column", default="text")
     parser.add_argument(
         "--pair-column",
@@ -140,21 +148,27 @@ def _cmd_predict(argv: list[str]) -> int:
         help="second text of each pair (default: a text_pair column/key when the input has one)",
     )
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--chunk-size", type=int, default=4096, help="texts read, sorted by length and written at a time"
+    )
+    parser.add_argument("--backend", choices=["pytorch", "onnx"], default="pytorch")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output (and start again)")
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        raise UserError("--batch-size must be at least 1")
-    out = Path(args.output)
-    if out.suffix.lower() not in (".jsonl", ".csv"):
-        raise UserError(f"--output {out} must end in .jsonl or .csv")
-    # input problems first, before the model loads
-    from finetune.predict import predict_texts, read_texts, write_predictions
+    for flag in ("batch_size", "chunk_size"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
+    from finetune.predict import Job, run_predict
 
-    texts, pairs = read_texts(Path(args.input), args.text_column, args.pair_column)
-    tokenizer, model = _load_classifier(args.model)
-    preds = predict_texts(tokenizer, model, texts, args.batch_size, pairs=pairs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_predictions(out, preds)
-    print(f"wrote {len(preds)} predictions to {out}", file=sys.stderr)
+    job = Job(
+        Path(args.input),
+        Path(args.output),
+        Path(args.model),
+        args.backend,
+        args.text_column,
+        args.pair_column,
+        args.chunk_size,
+    )
+    run_predict(job, args.batch_size, args.overwrite)
     return 0
 
 

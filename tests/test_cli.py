@@ -144,8 +144,8 @@ def test_evaluate_with_a_test_split(tiny_run: Path, tmp_path: Path, capsys: pyte
             "does not exist",
         ),
         (
-            ["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.parquet"],
-            "must end in .jsonl or .csv",
+            ["predict", "--model", "{final}", "--input", "{tmp}/in.txt", "--output", "{tmp}/o.xlsx"],
+            "cannot infer its format",
         ),
         (["predict", "--model", "{final}", "--input", "{tmp}/in.csv", "--output", "{tmp}/o.csv"], "no column 'text'"),
         (

@@ -1,0 +1,129 @@
+"""`finetune predict` streaming: chunks of very different lengths come out in input order with the
+predictions of one whole-input pass, every input and output format, a stopped run continued by the same
+command (and refused when its input changed), an existing output kept without --overwrite."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from finetune import predict
+from finetune.cli import main as cli_main
+from finetune.final import load_final
+
+# one word next to ~120 words: sorted by length inside a chunk, the batches mix far apart from the input order
+TEXTS = [
+    ("a fine film" if i % 3 else " ".join(["the slow middle act drags , yet the cast is game"] * (1 + i % 11)))
+    + f" {i}"
+    for i in range(23)
+]
+
+
+def _argv(final: Path, inp: Path, out: Path, *extra: str) -> list[str]:
+    return ["predict", "--model", str(final), "--input", str(inp), "--output", str(out), *extra]
+
+
+def _read(out: Path) -> list[dict]:
+    if out.suffix == ".jsonl":
+        return [json.loads(x) for x in out.read_text().splitlines()]
+    if out.suffix == ".csv":
+        with out.open(newline="") as f:
+            return list(csv.DictReader(f))
+    return pq.read_table(out).to_pylist()
+
+
+def _write_input(path: Path) -> None:
+    if path.suffix == ".txt":
+        path.write_text("\n".join(TEXTS) + "\n")
+    elif path.suffix == ".tsv":
+        path.write_text("id\treview\n" + "".join(f"{i}\t{t}\n" for i, t in enumerate(TEXTS)))
+    else:
+        pq.write_table(pa.table({"id": list(range(len(TEXTS))), "review": TEXTS}), path)
+
+
+@pytest.mark.parametrize("src,dst", [(".txt", ".jsonl"), (".tsv", ".csv"), (".parquet", ".parquet")])
+def test_streamed_chunks_keep_input_order(tiny_run: Path, tmp_path: Path, src: str, dst: str) -> None:
+    final = tiny_run / "final"
+    inp, out = tmp_path / f"in{src}", tmp_path / f"out{dst}"
+    _write_input(inp)
+    column = [] if src == ".txt" else ["--text-column", "review"]
+    assert cli_main(_argv(final, inp, out, "--chunk-size", "5", "--batch-size", "3", *column)) == 0
+    rows = _read(out)
+    assert [r["text"] for r in rows] == TEXTS
+    tok, model = load_final(final)
+    whole = predict.predict_texts(tok, model, TEXTS, batch_size=64)  # one pass, other batches
+    for row, ref in zip(rows, whole, strict=True):
+        assert row["label"] == ref["label"]
+        for name, p in ref["probabilities"].items():
+            assert float(row[f"prob_{name}"] if dst != ".jsonl" else row["probabilities"][name]) == pytest.approx(
+                p, abs=1e-5
+            )
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # no parts or temporary files left
+
+
+def test_a_stopped_run_continues_after_its_last_chunk(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    final = tiny_run / "final"
+    inp = tmp_path / "in.txt"
+    _write_input(inp)
+    reference = tmp_path / "ref.jsonl"
+    assert cli_main(_argv(final, inp, reference, "--chunk-size", "4")) == 0
+
+    out = tmp_path / "out.jsonl"
+    real, calls = predict.predict_texts, []
+
+    def stop_at_third_chunk(*args: object, **kwargs: object) -> list[dict]:
+        calls.append(args[2])
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a kill in the third chunk
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predict, "predict_texts", stop_at_third_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(_argv(final, inp, out, "--chunk-size", "4"))
+    assert not out.exists()  # nothing that looks complete
+    capsys.readouterr()
+    calls_after: list[list[str]] = []
+    monkeypatch.setattr(predict, "predict_texts", lambda *a, **k: calls_after.append(a[2]) or real(*a, **k))
+    assert cli_main(_argv(final, inp, out, "--chunk-size", "4")) == 0
+    assert "continuing" in capsys.readouterr().err
+    assert calls_after[0] == TEXTS[8:12]  # chunks 0 and 1 were not predicted again
+    assert out.read_text() == reference.read_text()
+
+    # an output that exists is kept without --overwrite
+    assert cli_main(_argv(final, inp, out, "--chunk-size", "4")) == 2
+    assert out.read_text() == reference.read_text()
+
+
+def test_a_changed_input_is_not_continued(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    final = tiny_run / "final"
+    inp, out = tmp_path / "in.txt", tmp_path / "out.csv"
+    _write_input(inp)
+    real = predict.predict_texts
+    seen: list[int] = []
+
+    def stop_at_second_chunk(*args: object, **kwargs: object) -> list[dict]:
+        seen.append(1)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predict, "predict_texts", stop_at_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(_argv(final, inp, out, "--chunk-size", "4"))
+    monkeypatch.setattr(predict, "predict_texts", real)
+    inp.write_text("\n".join(TEXTS[::-1]) + "\n")
+    capsys.readouterr()
+    assert cli_main(_argv(final, inp, out, "--chunk-size", "4")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot continue" in err[0] and "input_mtime_ns" in err[0], err
+    assert cli_main(_argv(final, inp, out, "--chunk-size", "4", "--overwrite")) == 0
+    assert [r["text"] for r in _read(out)] == TEXTS[::-1]
