@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -110,6 +111,37 @@ def tracker_init_kwargs(trackers: list[str], run_dir: Path) -> dict[str, dict[st
     return {t: {TRACKER_RUN_NAME[t]: run_dir.name} for t in trackers if t in TRACKER_RUN_NAME}
 
 
+# set in a process by MPI launchers (`accelerate launch --cpu --mpirun_hostfile`): a real multi-CPU job
+MPI_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def cpu_flag_lost_processes(env: Mapping[str, str]) -> bool:
+    """Whether this process comes from `accelerate launch --cpu` asked for several processes or machines.
+
+    `--cpu` takes Accelerate's one-process launcher whatever `--num_processes` / `--num_machines` say: it
+    exports ACCELERATE_USE_CPU="True" and, for more than one process or machine, MASTER_ADDR and
+    MASTER_PORT, but no WORLD_SIZE or RANK (torchrun sets those), so every process trains alone.
+    """
+    launched = "ACCELERATE_MIXED_PRECISION" in env and env.get("ACCELERATE_USE_CPU") == "True"
+    distributed = any(k in env for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", *MPI_SIZE_ENV))
+    return launched and "MASTER_ADDR" in env and not distributed
+
+
+def check_cpu_launch(env: Mapping[str, str]) -> None:
+    """Refuse `accelerate launch --cpu` with several processes or machines (each would train alone).
+
+    Raises:
+        UserError: the launch went through `--cpu` with `--num_processes` or `--num_machines` above 1.
+    """
+    if cpu_flag_lost_processes(env):
+        raise UserError(
+            "accelerate launch --cpu starts one process per machine, without distribution (--num_processes and "
+            "--num_machines are not used with it): for several CPU processes or machines use "
+            "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N [--num_machines M --machine_rank R "
+            "--main_process_ip IP --main_process_port PORT] finetune/train.py ... (docs/SCALING.md)"
+        )
+
+
 def build_accelerator(cfg: Config) -> Accelerator:
     """Accelerator with mixed precision, gradient accumulation and global (split) batches; with several
     processes, this process ends as soon as another reports a failure (`watch_other_ranks`).
@@ -118,9 +150,11 @@ def build_accelerator(cfg: Config) -> Accelerator:
         UserError: the launch config contradicts the run config (accumulation, dynamo), the
             precision mode is not supported on this device, a tracker's package is missing, a
             launch of several processes reached Accelerate as one, FSDP was asked for with a
-            setting it cannot run (`check_fsdp`), or a tracker's server cannot be reached.
+            setting it cannot run (`check_fsdp`), a tracker's server cannot be reached, or `--cpu`
+            was given with several processes (`check_cpu_launch`).
     """
     check_launch_dynamo(cfg)
+    check_cpu_launch(os.environ)
     check_trackers(cfg.log.trackers)
     # Accelerate keeps the mixed-precision state of a process's first Accelerator; a second run in
     # the same process (a test, a notebook, a sweep trial) with another precision needs a fresh one.
