@@ -325,18 +325,33 @@ def _cmd_export(argv: list[str]) -> int:
     parser.add_argument("out_dir", help="the directory to write (must not exist, or be empty, unless --force)")
     parser.add_argument("--force", action="store_true", help="replace an existing OUT_DIR")
     parser.add_argument("--atol", type=float, default=1e-4, help="largest logit difference accepted (default 1e-4)")
+    parser.add_argument(
+        "--quantize",
+        choices=["int8"],
+        default=None,
+        help="int8: dynamic int8 quantization for CPU serving, compared with fp32 on the run's validation set",
+    )
     args = parser.parse_args(argv)
     if not args.onnx:
         raise UserError("choose the export format: finetune export --onnx FINAL_DIR OUT_DIR")
     from finetune.export import export_onnx
 
-    check = export_onnx(Path(args.final_dir), Path(args.out_dir), args.force, atol=args.atol)
+    check = export_onnx(Path(args.final_dir), Path(args.out_dir), args.force, atol=args.atol, quantize=args.quantize)
     print(
         f"wrote {args.out_dir}/model.onnx (inputs {', '.join(check['inputs'])}; batch and sequence dynamic); "
         f"ONNX Runtime vs PyTorch: max |logit difference| {check['max_abs_diff']:.2e} over "
         f"{len(check['checks'])} batches (tolerance {check['tolerance']:g})",
         file=sys.stderr,
     )
+    int8 = check.get("int8")
+    if int8 and isinstance(int8["validation"], dict):
+        v = int8["validation"]
+        line = f"int8 on validation ({v['texts']} texts): {v['metric']} {v['int8']:.4f} against fp32 {v['fp32']:.4f}"
+        if int8["warning"]:
+            line = f"warning: {line}, a loss of {100 * int8['int8_loss']:.2f} points (more than 0.5)"
+        print(line, file=sys.stderr)
+    elif int8:
+        print(f"int8: {int8['validation']}", file=sys.stderr)
     return 0
 
 

@@ -190,6 +190,8 @@ class OnnxClassifier:
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads or torch.get_num_threads()  # the same threads as PyTorch's
+        # idle threads that spin steal the CPU from the tokenizer and from other jobs on a shared machine
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = onnxruntime.InferenceSession(
             str(directory / ONNX_FILE), options, providers=["CPUExecutionProvider"]
         )
