@@ -141,11 +141,13 @@ class ModelConfig(_Section):
         "random: the model's own init everywhere",
         json_schema_extra=MAY_CHANGE_ON_RESUME,  # a resumed run's head comes from the checkpoint
     )
-    pooler_init: Literal["checkpoint", "identity"] = Field(
-        "checkpoint",
+    pooler_init: Literal["auto", "checkpoint", "identity"] = Field(
+        "auto",
         description="the pooler's dense layer (BERT-family: tanh(W h_CLS + b) feeds the classifier) as the checkpoint "
         "has it, or identity (W = I, b = 0): for sentence-transformers checkpoints (all-MiniLM-L6-v2), whose "
-        "pooler was never trained and has near-zero weights (docs/BENCHMARKS.md); final/ stays a stock model",
+        "pooler was never trained and has near-zero weights (docs/BENCHMARKS.md); auto: identity where the model has "
+        "a pooler and its folder is a sentence-transformers checkpoint (modules.json), else the checkpoint's (MPNet's "
+        "classifier has no pooler); final/ stays a stock model",
         json_schema_extra=MAY_CHANGE_ON_RESUME,  # a resumed run's pooler comes from the checkpoint
     )
     dropout: Annotated[float, Field(ge=0.0, lt=1.0)] | Literal["auto"] | None = Field(

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from finetune.config import Config
 from finetune.errors import UserError
+from finetune.families import enable_checkpointing, start_pooler
 from finetune.precision import apply_precision_policy, within
 from finetune.sources import resolve_model_path, save_on_this_process
 
@@ -195,20 +196,15 @@ def build_model(
         reinit_top_layers(model, cfg.train.reinit_top_layers)
     if m.dropout_p is not None:  # before LoRA, whose adapters keep model.lora.dropout
         set_dropout(model, m.dropout_p)
-    if m.pooler_init == "identity":
-        identity_pooler(model)
+    if m.pooler_init != "checkpoint":
+        local = not empty and m.source is not None and m.architecture is None  # auto reads the folder's files
+        start_pooler(model, m.pooler_init, resolve_model_path(m.source) if local and m.source else None)
     if targets is not None and m.head_init == "prior":
         note = init_head(model, m.problem_type, targets)
         if note and notes is not None:
             notes.append(note)
     if m.gradient_checkpointing:
-        # non-reentrant: works with frozen inputs and under torch.compile. transformers 5 renamed the
-        # method (the old name prints a FutureWarning on every run); older releases only have the old one
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+        enable_checkpointing(model)
     if m.freeze_embeddings:
         freeze_embeddings(model)
     if m.gradient_checkpointing and (m.freeze_embeddings or m.lora is not None):
@@ -655,19 +651,6 @@ def reinit_top_layers(model: PreTrainedModel, n: int) -> None:
         block.apply(model._init_weights)
 
 
-def identity_pooler(model: PreTrainedModel) -> None:
-    """The pooler's dense layer at W = I, b = 0, so that the classifier reads tanh of the CLS state at full scale.
-
-    Raises:
-        UserError: the model has no square pooler dense layer (only BERT-family encoders have one).
-    """
-    dense = getattr(getattr(getattr(model, model.base_model_prefix, None), "pooler", None), "dense", None)
-    if not isinstance(dense, torch.nn.Linear) or dense.in_features != dense.out_features:
-        raise UserError(f"model.pooler_init=identity: {type(model).__name__} has no pooler dense layer to set")
-    torch.nn.init.eye_(dense.weight)
-    torch.nn.init.zeros_(dense.bias)
-
-
 # config keys that hold a dropout probability across families (BERT's hidden_dropout_prob, Llama's
 # attention_dropout, GPT-2's resid_pdrop, T5's dropout_rate)
 DROPOUT_KEYS = ("dropout", "dropout_prob", "dropout_rate", "pdrop")
@@ -702,6 +685,7 @@ LORA_TARGETS = {
     "deberta-v2": ["query_proj", "value_proj"],
     "distilbert": ["q_lin", "v_lin"],
     "modernbert": ["Wqkv"],
+    "mpnet": ["q", "v"],
     "phi3": ["qkv_proj"],
     "phi": ["q_proj", "v_proj"],
 }

@@ -21,9 +21,10 @@ PACKED_POOLING = {
     "roberta": "classifier",
     "xlm-roberta": "classifier",
     "electra": "classifier",
+    "mpnet": "classifier",  # its relative attention bias depends on j - i only: unchanged within a packed sequence
 }
 # position embeddings of these start at padding_idx + 1
-POSITIONS_AFTER_PAD = ("roberta", "xlm-roberta")
+POSITIONS_AFTER_PAD = ("roberta", "xlm-roberta", "mpnet")
 
 
 def check_packing(model: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ LAYERS = [
     "formats",
     "sources",
     "precision",
+    "families",
     "model",
     "window",
     "collate",

@@ -82,6 +82,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma": ("decoder", _DEC),
     "phi3": ("decoder", _DEC),
     "phi": ("decoder", {**_ENC, "partial_rotary_factor": 0.5}),
+    "mpnet": ("encoder", {**_ENC, **_DROP}),  # last: the planner's settings cycle by position (tests/test_mpnet.py)
 }
 DECODERS = [f for f, (kind, _) in FAMILIES.items() if kind.startswith("decoder")]
 EXPECTED_HEADS = {

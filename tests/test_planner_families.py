@@ -136,3 +136,12 @@ def test_plan_grid_compares_the_settings(tiny_config: Any, capsys: pytest.Captur
     # no gradients or AdamW state for the frozen base; the tiny model is mostly its 30k x 32 embedding,
     # which QLoRA keeps in fp32 (as peft's prepare_model_for_kbit_training would)
     assert peak["LoRA,"] < min(peak["bf16-true"], peak["fp32"]) and peak["QLoRA,"] < peak["fp32"]
+
+
+@pytest.mark.slow
+def test_mpnet_full_with_its_checkpointing_plans_as_the_loop_measures(
+    tokenizers: dict[str, Path], long_rows: Path, tmp_path: Path
+) -> None:
+    """MPNet has no gradient checkpointing in transformers: its blocks go through torch.utils.checkpoint
+    (finetune/families.py), which the planner must see as the loop does."""
+    _plan_against_loop("mpnet", {"model.gradient_checkpointing": True}, tokenizers, long_rows, tmp_path)
