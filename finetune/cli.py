@@ -153,8 +153,11 @@ def _cmd_predict(argv: list[str]) -> int:
     )
     parser.add_argument("--backend", choices=["pytorch", "onnx"], default="pytorch")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output (and start again)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="processes, each with the model and its share of the threads"
+    )
     args = parser.parse_args(argv)
-    for flag in ("batch_size", "chunk_size"):
+    for flag in ("batch_size", "chunk_size", "workers"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
     from finetune.predict import Job, run_predict
@@ -168,7 +171,7 @@ def _cmd_predict(argv: list[str]) -> int:
         args.pair_column,
         args.chunk_size,
     )
-    run_predict(job, args.batch_size, args.overwrite)
+    run_predict(job, args.batch_size, args.overwrite, args.workers)
     return 0
 
 

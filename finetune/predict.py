@@ -33,7 +33,7 @@ import torch
 
 from finetune.data import Windowing, encode_texts
 from finetune.errors import UserError
-from finetune.final import VOCAB_FILES, load_final
+from finetune.final import VOCAB_FILES, check_final, load_final
 from finetune.metrics import per_text
 from finetune.model import position_limit
 from finetune.runtime import progress_bar
@@ -203,11 +203,12 @@ class OnnxClassifier:
         return SimpleNamespace(logits=torch.from_numpy(self.session.run(["logits"], feed)[0]))
 
 
-def load_model(directory: Path, backend: str = "pytorch") -> tuple[Any, Any]:
-    """The tokenizer and model of `directory`: final/ for PyTorch, an ONNX export for ONNX Runtime.
+def check_model(directory: Path, backend: str = "pytorch") -> None:
+    """Refuse, before anything loads, a directory that is not of the backend's kind or lacks its files.
 
     Raises:
-        UserError: the directory is not of the backend's kind, lacks its tokenizer, or does not load.
+        UserError: an unknown backend, an ONNX export given to PyTorch or final/ to ONNX Runtime, missing or
+            corrupt files (final/: `check_final`), no tokenizer, onnxruntime not installed.
     """
     if backend not in BACKENDS:
         raise UserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -215,7 +216,8 @@ def load_model(directory: Path, backend: str = "pytorch") -> tuple[Any, Any]:
     if backend == "pytorch":
         if has_onnx and not (directory / "model.safetensors").is_file():
             raise UserError(f"{directory} is an ONNX export: predict with --backend onnx, or give a run's final/")
-        return load_final(directory)
+        check_final(directory)
+        return
     if not has_onnx:
         hint = " (a run's final/: use --backend pytorch, or export it with finetune export --onnx)"
         raise UserError(f"{directory} has no {ONNX_FILE}{hint if directory.is_dir() else ''}")
@@ -225,6 +227,17 @@ def load_model(directory: Path, backend: str = "pytorch") -> tuple[Any, Any]:
         import onnxruntime  # noqa: F401
     except ImportError:
         raise UserError("--backend onnx needs onnxruntime: pip install onnxruntime") from None
+
+
+def load_model(directory: Path, backend: str = "pytorch") -> tuple[Any, Any]:
+    """The tokenizer and model of `directory`: final/ for PyTorch, an ONNX export for ONNX Runtime.
+
+    Raises:
+        UserError: `check_model`'s refusals, or transformers cannot load the directory.
+    """
+    check_model(directory, backend)
+    if backend == "pytorch":
+        return load_final(directory)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory), OnnxClassifier(directory)
@@ -343,9 +356,12 @@ def csv_rows(preds: list[dict[str, Any]]) -> Iterator[list[Any]]:
         yield [*cells, *[f"{p['probabilities'][n]:.6f}" for n in names]]
 
 
-def csv_header(preds: list[dict[str, Any]]) -> list[str]:
-    head, names = _columns(preds)
-    return [*head, *[f"prob_{n}" for n in names]]
+def csv_header(config: Any, pairs: bool) -> list[str]:
+    """The .csv output's header for a model's `config` (its problem type and labels), with or without pairs."""
+    kind = problem_type(config)
+    outputs = {"regression": ["score"], "multi_label_classification": ["labels"]}.get(kind, ["label", "score"])
+    probs = [] if kind == "regression" else [f"prob_{n}" for n in label_names(config)]
+    return ["text", *(["text_pair"] if pairs else []), *outputs, *probs]
 
 
 def write_part(path: Path, preds: list[dict[str, Any]]) -> None:
@@ -483,7 +499,54 @@ def parts_done(job: Job, overwrite: bool) -> int:
     return 0
 
 
-def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False) -> int:
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_start(directory: Path, backend: str, threads: int) -> None:
+    """A `--workers` process: its share of the threads, and the model loaded once."""
+    torch.set_num_threads(threads)
+    _WORKER["model"] = load_model(directory, backend)
+
+
+def _worker_predict(texts: list[str], pairs: list[str] | None, batch_size: int) -> list[dict[str, Any]]:
+    tokenizer, model = _WORKER["model"]
+    return predict_texts(tokenizer, model, texts, batch_size, pairs=pairs, on_texts=lambda n: None)
+
+
+def predicted_chunks(
+    job: Job, todo: Iterator[tuple[int, list[str], list[str] | None]], batch_size: int, workers: int, bar: Any
+) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """Each chunk's predictions, in input order: in this process, or with `workers` processes (each loads the
+    model and takes its share of the threads; chunks go out in turn and come back in order, at most two
+    per worker in flight)."""
+    if workers == 1:
+        tokenizer, model = load_model(job.model, job.backend)
+        for index, texts, pairs in todo:
+            yield index, predict_texts(tokenizer, model, texts, batch_size, pairs=pairs, on_texts=bar.update)
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = max(1, torch.get_num_threads() // workers)
+    spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's thread pools
+    with ProcessPoolExecutor(workers, spawn, _worker_start, (job.model, job.backend, threads)) as pool:
+        pending: deque[tuple[int, Any]] = deque()
+        for index, texts, pairs in todo:
+            pending.append((index, pool.submit(_worker_predict, texts, pairs, batch_size)))
+            while len(pending) >= 2 * workers or (pending and pending[0][1].done()):
+                done_index, future = pending.popleft()
+                preds = future.result()
+                bar.update(len(preds))
+                yield done_index, preds
+        while pending:
+            done_index, future = pending.popleft()
+            preds = future.result()
+            bar.update(len(preds))
+            yield done_index, preds
+
+
+def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False, workers: int = 1) -> int:
     """`finetune predict`: stream `job.input` through the model into `job.output`; returns the texts written.
 
     Raises:
@@ -497,25 +560,25 @@ def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False) -> int:
         raise UserError(f"--input {job.input} has no texts")
     columns = Columns.of(first[0], job.input, job.text_column, job.pair_column)
     columns.texts(first, job.input, 0)  # a missing column in the first chunk, before the model loads
-    tokenizer, model = load_model(job.model, job.backend)
+    check_model(job.model, job.backend)
+    from transformers import AutoConfig
+
+    header = csv_header(AutoConfig.from_pretrained(job.model), columns.pair is not None)
     total = count_rows(job.input)
     job.output.parent.mkdir(parents=True, exist_ok=True)
     done = parts_done(job, overwrite)
     if done:
         print(f"continuing {job.output}: {done} chunk(s) of {job.chunk_size} texts already done", file=sys.stderr)
+    todo = (
+        (i, *columns.texts(rows, job.input, i * job.chunk_size))
+        for i, rows in enumerate(itertools.chain([first], chunks))
+        if i >= done
+    )
     started, n, new = time.perf_counter(), min(done * job.chunk_size, total), 0
-    header: list[str] | None = None
     with progress_bar(total=total, initial=n, desc="predict", unit="text", dynamic_ncols=True) as bar:
-        for index, rows in enumerate(itertools.chain([first], chunks)):
-            if index < done:
-                continue
-            texts, pairs = columns.texts(rows, job.input, index * job.chunk_size)
-            preds = predict_texts(tokenizer, model, texts, batch_size, pairs=pairs, on_texts=bar.update)
+        for index, preds in predicted_chunks(job, todo, batch_size, workers, bar):
             write_part(job.parts / f"part-{index:06d}{job.output.suffix.lower()}", preds)
-            header = header or csv_header(preds)
             n, new = n + len(preds), new + len(preds)
-    if header is None:  # every chunk was done before: the header from the model's outputs
-        header = csv_header(predict_texts(tokenizer, model, ["x"], pairs=["x"] if columns.pair else None))
     join_parts(job.parts, job.output, header)
     shutil.rmtree(job.parts)
     seconds = time.perf_counter() - started

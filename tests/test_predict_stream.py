@@ -127,3 +127,18 @@ def test_a_changed_input_is_not_continued(
     assert len(err) == 1 and "cannot continue" in err[0] and "input_mtime_ns" in err[0], err
     assert cli_main(_argv(final, inp, out, "--chunk-size", "4", "--overwrite")) == 0
     assert [r["text"] for r in _read(out)] == TEXTS[::-1]
+
+
+@pytest.mark.slow
+def test_two_workers_merge_in_input_order(tiny_run: Path, tmp_path: Path) -> None:
+    final = tiny_run / "final"
+    inp = tmp_path / "in.txt"
+    _write_input(inp)
+    one, two = tmp_path / "one.csv", tmp_path / "two.csv"
+    assert cli_main(_argv(final, inp, one, "--chunk-size", "3")) == 0
+    assert cli_main(_argv(final, inp, two, "--chunk-size", "3", "--workers", "2")) == 0
+    a, b = _read(one), _read(two)
+    assert [r["text"] for r in b] == TEXTS
+    assert [r["label"] for r in a] == [r["label"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        assert float(x["prob_positive"]) == pytest.approx(float(y["prob_positive"]), abs=1e-6)
