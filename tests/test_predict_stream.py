@@ -142,3 +142,48 @@ def test_two_workers_merge_in_input_order(tiny_run: Path, tmp_path: Path) -> Non
     assert [r["label"] for r in a] == [r["label"] for r in b]
     for x, y in zip(a, b, strict=True):
         assert float(x["prob_positive"]) == pytest.approx(float(y["prob_positive"]), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("empty", "has no texts"),
+        ("unreadable", "cannot read --input"),
+        ("no_column", "no column 'review'"),
+        ("output_exists", "exists: pass --overwrite"),
+        ("output_format", "cannot infer its format"),
+        ("input_format", "cannot infer its format"),
+        ("onnx_without_tokenizer", "has no tokenizer"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, needle: str
+) -> None:
+    model, inp, out, extra = tiny_run / "final", tmp_path / "in.txt", tmp_path / "out.jsonl", []
+    inp.write_text("hello\n")
+    if case == "empty":
+        inp.write_text("\n\n")
+    elif case == "unreadable":
+        inp.write_bytes(b"\xff\xfe\x00bad")
+    elif case == "no_column":
+        inp = tmp_path / "in.parquet"
+        pq.write_table(pa.table({"text": ["hello"]}), inp)
+        extra = ["--text-column", "review"]
+    elif case == "output_exists":
+        out.write_text("kept\n")
+    elif case == "output_format":
+        out = tmp_path / "out.xlsx"
+    elif case == "input_format":
+        inp = tmp_path / "in.docx"
+        inp.write_text("hello")
+    else:
+        model = tmp_path / "onnx"
+        model.mkdir()
+        (model / "model.onnx").write_bytes(b"")
+        extra = ["--backend", "onnx"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    assert cli_main(_argv(model, inp, out, *extra)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, parts or temporary files
