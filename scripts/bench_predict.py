@@ -63,6 +63,7 @@ def command(method: str, models: dict[str, Path], inp: Path, out: Path, args: ar
         return [sys.executable, "-c", PIPELINE, str(models["pytorch"]), str(inp), str(out), str(args.batch_size)] + [
             str(args.threads)
         ]
+    method, _, workers = method.partition("-w")  # pytorch-w2: two --workers
     backend = "pytorch" if method == "pytorch" else "onnx"
     return [
         str(FINETUNE),
@@ -78,6 +79,8 @@ def command(method: str, models: dict[str, Path], inp: Path, out: Path, args: ar
         "--batch-size",
         str(args.batch_size),
         "--overwrite",
+        "--workers",
+        workers or "1",
     ]
 
 
@@ -93,7 +96,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--work", default="/tmp/bench_predict")
-    parser.add_argument("--methods", default="pytorch,onnx-fp32,onnx-int8,pipeline")
+    parser.add_argument(
+        "--methods", default="pytorch,onnx-fp32,onnx-int8,pipeline", help="also pytorch-w2 (--workers 2)"
+    )
     parser.add_argument("--out", default="bench_predict.json")
     args = parser.parse_args()
 
