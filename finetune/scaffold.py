@@ -76,6 +76,11 @@ RECIPES: dict[str, dict[str, Any]] = {
     REGRESSION: {"learning_rate": 1e-4, "warmup_ratio": 0.1, "epochs": ((1_000, 10), (5_000, 5), (None, 3))},
 }
 
+# Per-model changes to that recipe. all-mpnet-base-v2 (12 layers of 768, about 6 times MiniLM's work a row):
+# the sentence-transformers fine-tuning rate, at most 3 epochs, and micro-batches of at most 4,096 tokens
+# (the planner: 4.8 GiB of tensors at 32 x 128 in fp32), accumulated back to an effective batch of 32.
+MODEL_RECIPES: dict[str, dict[str, Any]] = {"mpnet-base": {"learning_rate": 2e-5, "max_epochs": 3, "tokens": 4096}}
+
 
 @dataclass
 class Sniffed:
@@ -511,11 +516,28 @@ def _split_files(folder: Path) -> dict[str, Path]:
     return found
 
 
-def recipe(problem_type: str, n_train: int) -> dict[str, Any]:
-    """train.* keys for `problem_type` and `n_train` training rows, from RECIPES: fewer rows, more passes."""
+def recipe(problem_type: str, n_train: int, model: str = "minilm-l6") -> dict[str, Any]:
+    """train.* keys for `problem_type` and `n_train` training rows, from RECIPES: fewer rows, more passes;
+    `model`'s MODEL_RECIPES entry changes the learning rate and caps the epochs."""
     r = RECIPES[problem_type]
     epochs = next(e for bound, e in r["epochs"] if bound is None or n_train < bound)
-    return {"epochs": epochs, **{k: v for k, v in r.items() if k != "epochs"}}
+    own = MODEL_RECIPES.get(model, {})
+    rate = own.get("learning_rate", r["learning_rate"])
+    epochs = min(epochs, own.get("max_epochs", epochs))
+    return {"epochs": epochs, **{k: v for k, v in r.items() if k != "epochs"}, "learning_rate": rate}
+
+
+def micro_batch(model: str, max_length: int) -> tuple[int, int]:
+    """(micro-batch, accumulation): 32 rows, 16 above 256 tokens a row; where `model` has a token budget
+    (MODEL_RECIPES), halved until within it and accumulated back to an effective batch of 32."""
+    micro = 16 if max_length > 256 else 32
+    tokens = MODEL_RECIPES.get(model, {}).get("tokens")
+    if not tokens:
+        return micro, 1
+    micro = 32
+    while micro > 1 and micro * max_length > tokens:
+        micro //= 2
+    return micro, 32 // micro
 
 
 def _yaml(value: Any) -> str:
@@ -674,19 +696,29 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
     tok = build_tokenizer(cfg)
     data["max_length"] = _max_length(s, data, tok, row_limit(cfg, tok))
     n_train = len(next(iter(s.columns.values())))
-    r = recipe(problem_type, n_train)
+    r = recipe(problem_type, n_train, model)
+    micro, accumulation = micro_batch(model, data["max_length"])
     train = {
         "epochs": r["epochs"],
-        "micro_batch_size": 16 if data["max_length"] > 256 else 32,
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accumulation,
         **{k: v for k, v in r.items() if k != "epochs"},
         "eval_every_steps": 200,
     }
+    own = MODEL_RECIPES.get(model)
     s.notes.append(
-        f"{n_train} training rows read: the {KINDS[problem_type]} recipe for that size (scaffold.recipe): "
+        f"{n_train} training rows read: the {KINDS[problem_type]} recipe for that size (scaffold.recipe"
+        + (f"; {model}: its own rate, at most {own['max_epochs']} epochs" if own else "")
+        + "): "
         + ", ".join(f"{k} {v:g}" for k, v in r.items())
     )
-    if train["micro_batch_size"] != 32:
-        s.notes.append(f"micro_batch_size {train['micro_batch_size']}: rows of more than 256 tokens")
+    if micro != 32 and own:
+        s.notes.append(
+            f"micro_batch_size {micro} x gradient_accumulation_steps {accumulation}: at most {own['tokens']:,} "
+            f"tokens a micro-batch for {model}"
+        )
+    elif micro != 32:
+        s.notes.append(f"micro_batch_size {micro}: rows of more than 256 tokens")
     # keys at the schema's default are said in the notes above, not written
     train = {k: v for k, v in train.items() if v != TrainConfig.model_fields[k].default}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -460,3 +460,56 @@ def test_pure_bf16_keeps_mpnets_norms_fp32(mpnet_tok: Path, tmp_path: Path) -> N
     norms = {k: v.dtype for k, v in saved.items() if "LayerNorm" in k or "layer_norm" in k}
     assert len(norms) == 2 * (1 + 2 * 2) and set(norms.values()) == {torch.float32}  # embeddings' + 2 per block
     assert saved["mpnet.encoder.layer.0.attention.attn.q.weight"].dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------------------------
+# finetune init --model mpnet-base
+
+
+def test_the_mpnet_recipe_and_micro_batch() -> None:
+    from finetune.scaffold import micro_batch, recipe
+    from finetune.tasks import SINGLE
+
+    assert recipe(SINGLE, 500, "mpnet-base") == {"epochs": 3, "learning_rate": 2e-5, "warmup_ratio": 0.06}
+    assert recipe(SINGLE, 500)["epochs"] == 10 and recipe(SINGLE, 500)["learning_rate"] == 1e-4  # MiniLM's as before
+    assert recipe(SINGLE, 50_000, "mpnet-base")["epochs"] == 2
+    # at most 4,096 tokens a micro-batch, accumulated back to 32 rows; MiniLM keeps 32 (16 above 256 tokens)
+    assert [micro_batch("mpnet-base", n) for n in (64, 128, 208, 512)] == [(32, 1), (32, 1), (16, 2), (8, 4)]
+    assert [micro_batch("minilm-l6", n) for n in (128, 300)] == [(32, 1), (16, 1)]
+
+
+@pytest.mark.slow
+def test_init_with_mpnet_writes_its_recipe_and_the_file_trains(
+    mpnet_tok: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from finetune.cli import main as cli_main
+    from finetune.config_io import load_config
+
+    arch = {k: v for k, v in MPNET.items() if k not in ("model_type", "max_position_embeddings")}
+    folder = tmp_path / "tiny-mpnet"  # all-mpnet-base-v2's positions (514) at tiny width
+    AutoModelForSequenceClassification.from_config(
+        AutoConfig.for_model("mpnet", vocab_size=30527, pad_token_id=1, max_position_embeddings=514, **arch)
+    ).save_pretrained(folder)
+    shutil.copytree(mpnet_tok, folder, dirs_exist_ok=True)
+    monkeypatch.setitem(sources.SPLIT_ALIASES, "mpnet-base", install_fake_parts(tmp_path / "site", folder))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    words = "the film is a long and winding story of love loss and hope told with care".split()
+    rows = [(" ".join(words[(i + j) % len(words)] for j in range(150)), i % 2) for i in range(40)]
+    data = tmp_path / "long.csv"
+    data.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
+    out = tmp_path / "long.yaml"
+    assert cli_main(["init", str(data), "-o", str(out), "--model", "mpnet-base"]) == 0
+    err = capsys.readouterr().err
+    assert "mpnet-base: its own rate, at most 3 epochs" in err and "at most 4,096 tokens a micro-batch" in err
+    cfg = load_config(out)  # YAML 1.2 numbers (the written 2e-05 is a string to PyYAML)
+    assert cfg.model.name_or_path == "mpnet-base" and cfg.train.epochs == 3 and cfg.train.learning_rate == 2e-5
+    assert cfg.train.micro_batch_size * cfg.data.max_length <= 4096 and cfg.data.max_length > 128
+    assert cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps == 32
+    from finetune.train import main
+
+    run = tmp_path / "run"
+    assert main(["--config", str(out), f"run.output_dir={run}", "train.max_steps=1", "run.num_threads=1"]) == 0
+    assert (run / "final" / "model.safetensors").is_file()
