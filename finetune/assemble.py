@@ -23,6 +23,7 @@ from finetune.config import Config
 from finetune.config_io import dump_config
 from finetune.data import Data, build_eval_loader
 from finetune.model import build_model, check_quantized_autocast, count_parameters
+from finetune.nodes import check_shared_storage
 from finetune.packing import check_packing
 from finetune.planner import resolve_micro_batch
 from finetune.precision import (
@@ -102,7 +103,11 @@ def find_resume(cfg: Config, accelerator: Accelerator, run_dir: Path, data: Data
 def prepare_run_dir(
     cfg: Config, accelerator: Accelerator, run_dir: Path, data: Data, audit: dict, resume_from: Path | None
 ) -> None:
-    """Create (or replace) the run directory and write the run's description files."""
+    """Create (or replace) the run directory and write the run's description files.
+
+    Raises:
+        UserError: a rank does not see the directory the main process wrote (`nodes.check_shared_storage`).
+    """
     if accelerator.is_main_process:
         if cfg.run.overwrite and resume_from is None:
             ckpt.remove_tree(run_dir)
@@ -116,6 +121,7 @@ def prepare_run_dir(
         (run_dir / "data_report.json").write_text(json.dumps(data.report, indent=2))
         (run_dir / "dtype_audit.json").write_text(audit_json(audit))
     accelerator.wait_for_everyone()
+    check_shared_storage(accelerator, run_dir)  # several nodes: all see what the main process wrote
 
 
 def disk_need(cfg: Config, model: torch.nn.Module) -> int:

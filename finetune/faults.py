@@ -8,6 +8,7 @@ with it set says so loudly in its log (`announce`). The training loop calls it a
     sigterm_at_step:N, sigint_at_step:N     send the signal to this process right after optimizer step N
     sigterm_at_batch:N, sigint_at_batch:N   ... after micro-batch N (counted over the whole run)
     wait_at_step:N        after step N write <run>/fault_waiting (our pid) and wait for a signal
+    kill_node_at_step:N   after step N SIGKILL this process's launcher and this process (a node lost)
     crash_in_save:N       raise InjectedCrash after the state files of step N are written, before the manifest
     disk_full_in_save:N   raise OSError(ENOSPC) while the state files of step N are being written
     oom_at_step:N         raise torch.OutOfMemoryError once, in the window of step N (its second micro-batch)
@@ -86,6 +87,9 @@ def signal_point(where: str, n: int, run_dir: Path, guard: _Signalled) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     if at(f"sigint_at_{where}", n):
         os.kill(os.getpid(), signal.SIGINT)
+    if where == "step" and at("kill_node_at_step", n):  # the launcher first: it would report the worker's death
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     if where == "step" and at("wait_at_step", n):
         wait_for_signal(run_dir, guard)
 

@@ -66,6 +66,7 @@ from finetune.metrics import (
     score,
 )
 from finetune.model import build_tokenizer, check_max_length, choose_pad_token
+from finetune.nodes import node_loss_line
 from finetune.optim import (
     build_optimizer,
     build_scheduler,
@@ -89,7 +90,9 @@ from finetune.runtime import (
     apply_num_threads,
     build_accelerator,
     configure_determinism,
+    end_if_peer_lost,
     end_job,
+    on_peer_lost,
     optimizer_step_out_of_memory,
     progress_log,
     resume_hint,
@@ -720,6 +723,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
+        relaunch = resume_hint("accelerate launch <the same options> finetune/train.py", args.config, args.overrides)
+        on_peer_lost(node_loss_line(Path(cfg.run.output_dir), relaunch))  # several nodes: a lost one's line
         with PreemptionGuard() as guard:
             train(cfg, guard)
     except UserError as exc:  # with several processes: every rank ends with the first failure's line and code
@@ -736,9 +741,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 flush=True,
             )
         return exc.exit_code
-    except Exception:
+    except Exception as exc:
         if not several_processes():
             raise
+        end_if_peer_lost(exc)  # a collective failed because a node is gone: its one line, exit 2
         traceback.print_exc()  # a crash on one rank: its traceback, and the other ranks end too instead of waiting
         return end_job("", 1)
     return 0

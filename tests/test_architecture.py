@@ -45,6 +45,7 @@ LAYERS = [
     "card",
     "scaffold",
     "export",
+    "nodes",
     "assemble",
     "train",
     "sweep",
