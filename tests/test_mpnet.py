@@ -269,6 +269,10 @@ def test_pooler_init_auto_sets_the_identity_only_for_a_sentence_transformers_poo
         model = build_model(cfg, NAMES, build_tokenizer(cfg))
         assert torch.equal(model.bert.pooler.dense.weight, want), (name, how)
     assert load_config(TINY_CFG).model.pooler_init == "auto"
+    # the demo's MiniLM is a sentence-transformers folder: auto gives it the identity the demo measured
+    from finetune.families import is_sentence_transformers
+
+    assert load_config(DEMO).model.pooler_init == "auto" and is_sentence_transformers(resolve_model_path("minilm-l6"))
     # the demo config, the model swapped: MPNet has no pooler, auto leaves it; identity is refused in one line
     demo = load_config(DEMO, ["model.name_or_path=mpnet-base"])
     assert demo.model.pooler_init == "auto"
