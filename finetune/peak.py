@@ -13,13 +13,13 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
 from finetune.memory import PeakTracker
 from finetune.model import classifier_of, head_names
@@ -117,10 +117,17 @@ def margin_bytes(peak_bytes: int, device: str) -> int:
 
 @dataclass
 class Measurement:
-    """Peak bytes of one optimizer window and its split by category (at the moment of the peak)."""
+    """Peak bytes of one optimizer window and its split by category (at the moment of the peak), and
+    each phase's own peak split alike (`PHASES`): the window's peak is the largest, and which one it
+    is can change with the depth (a shallow model can peak in its optimizer step or below its layers)."""
 
     peak_bytes: int
     categories: dict[str, int]
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+# the forward and the backward through the layer stack; the backward below it; clip and optimizer step
+PHASES = ("layers", "embeddings", "step")
 
 
 def autocast_context(mode: str, device_type: str = "cpu") -> Callable[[], contextlib.AbstractContextManager[Any]]:
@@ -157,6 +164,11 @@ def train_window(
         if tracker is not None:
             tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
         train_micro_step(model, batch, autocast, 1.0 / total)
+    step_and_zero(model, optimizer, max_grad_norm)
+
+
+def step_and_zero(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:
+    """The end of a window: clip, optimizer step, zero_grad(set_to_none)."""
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
     optimizer.step()
@@ -180,6 +192,7 @@ def measure_window(
     A window of G >= 2 micro-steps peaks like one of 2: from the second micro-step on, the
     gradients exist for the whole forward and backward. So at most 2 micro-steps are run.
     Works on real and on fake tensors alike (make_batch creates the batch in the active mode).
+    Each phase of `PHASES` keeps its own peak (`Measurement.phases`).
     """
     micro_steps = min(accumulation, 2)
     autocast = autocast_context(mode)
@@ -190,20 +203,78 @@ def measure_window(
         train_window(model, optimizer, [make_batch()], autocast, max_grad_norm)
         tracker = PeakTracker()
         tracker.track_external(model, optimizer)
-        with tracker:
-            train_window(model, optimizer, [make_batch() for _ in range(micro_steps)], autocast, max_grad_norm, tracker)
-    snap = tracker.get_tracker_snapshot("peak")
+        phases = PhasePeaks(tracker)
+        with tracker, below_the_layers(model, phases):
+            batches = [make_batch() for _ in range(micro_steps)]
+            total = sum(int(b["labels"].shape[0]) for b in batches)
+            for batch in batches:
+                tracker.reset_mod_stats()  # MemTracker refuses a second root forward otherwise
+                phases.enter("layers")
+                train_micro_step(model, batch, autocast, 1.0 / total)
+            phases.enter("step")
+            step_and_zero(model, optimizer, max_grad_norm)
+            phases.enter(None)
+    workspace = cublas_workspace_bytes() if device == "cuda" else 0
+    split = {name: by_category(phases.peaks.get(name, {}), workspace) for name in PHASES}
+    categories = max(split.values(), key=lambda c: sum(c.values()))
+    return Measurement(sum(categories.values()), dict(categories), split)
+
+
+class PhasePeaks:
+    """The peak of each phase of a window under a MemTracker, a phase made of one or more stretches
+    of time (one per micro-step): entering a phase keeps the peak of the stretch that ends and
+    starts the next stretch's peak from the memory held then, as MemTracker does on `__enter__`."""
+
+    def __init__(self, tracker: MemTracker) -> None:
+        self.tracker = tracker
+        self.current: str | None = None
+        self.peaks: dict[str, dict[Any, dict[str, int]]] = {}
+
+    def enter(self, phase: str | None) -> None:
+        """End the current stretch and start one of `phase` (None: the last stretch ends)."""
+        if self.current is not None:
+            kept = self.peaks.setdefault(self.current, {})
+            for dev, snap in self.tracker.get_tracker_snapshot("peak").items():
+                if snap.get(_TOTAL_KEY, 0) > kept.get(dev, {}).get(_TOTAL_KEY, 0):
+                    kept[dev] = snap
+        now = self.tracker.get_tracker_snapshot()
+        # MemTracker's own reset of its peak (its __enter__), done between two ops
+        self.tracker._peak_mem_snap = now
+        self.tracker._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in now.items()}
+        self.current = phase
+
+
+@contextlib.contextmanager
+def below_the_layers(model: nn.Module, phases: PhasePeaks) -> Any:
+    """Enter the phase "embeddings" when the backward has gone through the layer stack (the longest
+    `nn.ModuleList`): a gradient hook on the first block's input. Below it the backward allocates what
+    no layer count changes (the input embeddings' dense gradient), so its peak is a phase of its own."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists or not len(max(lists, key=len)):
+        yield
+        return
+
+    def on_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad and torch.is_grad_enabled():
+            hidden.register_hook(lambda grad: phases.enter("embeddings"))
+
+    handle = max(lists, key=len)[0].register_forward_pre_hook(on_input, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def by_category(snap: dict[Any, dict[str, int]], workspace: int) -> dict[str, int]:
+    """A MemTracker snapshot's bytes by reported category, summed over devices (plus the cuBLAS workspace)."""
     categories = dict.fromkeys(CATEGORIES, 0)
-    peak = 0
     for dev_snap in snap.values():
         for reftype, nbytes in dev_snap.items():
             if reftype in _CATEGORY_OF:
                 categories[_CATEGORY_OF[reftype]] += int(nbytes)
-        peak += int(dev_snap.get("Total", 0))
-    if device == "cuda":
-        categories["cublas_workspace"] = cublas_workspace_bytes()
-        peak += categories["cublas_workspace"]
-    return Measurement(peak, categories)
+    categories["cublas_workspace"] = workspace
+    return categories
 
 
 # ----------------------------------------------------------------------------------------------

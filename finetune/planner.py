@@ -241,9 +241,11 @@ def predict_peak(
     """Predicted peak of one window at micro-batch `micro` (fake tensors: nothing allocated).
 
     A model given by its dimensions with more than `EXTRAPOLATE_ABOVE` layers is planned at 2 and
-    4 layers and extrapolated linearly, category by category: every layer adds the same weights,
-    gradients, state and saved activations, so the peak is affine in the layer count (checked
-    against the full plan in docs/MEMORY.md); a 24-layer model then plans in seconds.
+    4 layers and extrapolated linearly, phase by phase and category by category: every layer adds
+    the same weights, gradients, state and saved activations, so each phase's peak (the passes',
+    the optimizer step's) is affine in the layer count, but the window's peak is the larger of the
+    two, and which one can change with the depth (checked against the full plan in docs/MEMORY.md);
+    a 24-layer model then plans in seconds.
     """
     arch = cfg.model.architecture or cfg.model.plan_architecture
     layers = int((arch or {}).get("num_hidden_layers", 0))
@@ -252,9 +254,7 @@ def predict_peak(
             predict_peak(with_layers(cfg, n), micro, accumulation, tokenizer, label_names, seq_len, device)
             for n in (2, 4)
         )
-        per = {k: (four.categories[k] - two.categories[k]) / 2 for k in two.categories}
-        categories = {k: int(round(two.categories[k] + per[k] * (layers - 2))) for k in two.categories}
-        return Measurement(sum(categories.values()), categories)
+        return extrapolate(two, four, layers)
     seq_len = seq_len or cfg.data.max_length
     # building a model draws from the global RNG: keep the training run's random stream untouched
     with torch.random.fork_rng(devices=[]):
@@ -265,6 +265,18 @@ def predict_peak(
             return measure_window(
                 model, optimizer, make, accumulation, cfg.precision.mode, cfg.train.max_grad_norm, device
             )
+
+
+def extrapolate(two: Measurement, four: Measurement, layers: int) -> Measurement:
+    """The peak at `layers` layers from the plans at 2 and 4: each phase's categories extended by
+    their growth per layer, then the larger phase (a shallow model can peak in its optimizer step
+    and a deep one in its backward)."""
+    phases = {}
+    for name, at2 in two.phases.items():
+        at4 = four.phases[name]
+        phases[name] = {k: int(round(at2[k] + (at4[k] - at2[k]) / 2 * (layers - 2))) for k in at2}
+    categories = max(phases.values(), key=lambda c: sum(c.values()))
+    return Measurement(sum(categories.values()), dict(categories), phases)
 
 
 def fsdp_units(model: nn.Module) -> list[int]:
