@@ -285,13 +285,21 @@ class Bf16AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One AdamW step (decoupled weight decay, bias-corrected moments)."""
+        """One AdamW step (decoupled weight decay, bias-corrected moments).
+
+        Tensors are updated together with `torch._foreach_*` in buckets of at most CHUNK elements (a large
+        tensor in slices of CHUNK): one kernel per operation and bucket instead of one per parameter, and
+        the fp32 temporaries bounded by CHUNK elements, not by the model (~8 copies of 45 MiB at once for
+        MiniLM's word embeddings otherwise). The math is elementwise, so a bucket or a slice computes the
+        same bits as a whole tensor (tests/test_precision.py); only stochastic rounding draws its random
+        bits in another order.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            update = group["update"]
+            buckets: dict[tuple[Any, ...], list[list[torch.Tensor | None]]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -305,62 +313,81 @@ class Bf16AdamW(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if low and update == "kahan":
+                    if low and group["update"] == "kahan":
                         state["kahan_comp"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                t = float(state["step"])
                 tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("kahan_comp")]
-                if p.numel() > self.CHUNK and all(x is None or x.is_contiguous() for x in tensors):
-                    # slices of at most CHUNK elements: the fp32 temporaries of the word-embedding
-                    # matrix (~8 copies of 45 MiB at once for MiniLM) become ~8 x 4 MiB; the math is
-                    # elementwise, so the arithmetic is the same bit for bit (tests/test_precision.py);
-                    # only stochastic rounding draws its random bits in another order
-                    flat = [None if x is None else x.view(-1) for x in tensors]
-                    for lo in range(0, p.numel(), self.CHUNK):
-                        self._update(*(None if x is None else x[lo : lo + self.CHUNK] for x in flat), t, group, low)
-                else:
-                    self._update(*tensors, t, group, low)
+                key = (low, float(state["step"]), p.device, p.dtype, tensors[4] is not None)
+                for piece in self._pieces(tensors):
+                    bucket = buckets.setdefault(key, [[] for _ in tensors])
+                    if bucket[0] and sum(x.numel() for x in bucket[0]) + piece[0].numel() > self.CHUNK:
+                        self._update(*bucket, key[1], group, low)
+                        bucket = buckets[key] = [[] for _ in tensors]
+                    for column, x in zip(bucket, piece, strict=True):
+                        column.append(x)
+            for (low, t, *_), bucket in buckets.items():
+                self._update(*bucket, t, group, low)
         return loss
 
-    CHUNK = 1 << 20  # elements per slice of one tensor's update
+    CHUNK = 1 << 20  # elements per bucket of tensors (and per slice of a larger tensor)
+
+    @classmethod
+    def _pieces(cls, tensors: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
+        """A parameter's tensors whole, or in flat slices of CHUNK elements when it is larger."""
+        n = tensors[0].numel()
+        if n <= cls.CHUNK or not all(x is None or x.is_contiguous() for x in tensors):
+            return [tensors]
+        flat = [None if x is None else x.view(-1) for x in tensors]
+        return [[None if x is None else x[lo : lo + cls.CHUNK] for x in flat] for lo in range(0, n, cls.CHUNK)]
 
     @staticmethod
     def _update(
-        p: torch.Tensor,
-        g: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        comp: torch.Tensor | None,
+        ps: list[torch.Tensor],
+        gs: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        comps: list[torch.Tensor | None],
         t: float,
         group: dict[str, Any],
         low: bool,
     ) -> None:
-        """The AdamW update of one tensor (or a slice of it), computed in fp32, written in place."""
+        """The AdamW update of a bucket of tensors (or slices), computed in fp32, written in place."""
         beta1, beta2 = group["betas"]
         lr, eps, wd, update = group["lr"], group["eps"], group["weight_decay"], group["update"]
-        grad = g.float()
-        m = exp_avg.float().lerp_(grad, 1 - beta1)
-        v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        for buf, val in ((exp_avg, m), (exp_avg_sq, v)):
+        grads = [g.float() for g in gs]
+        m = [x.float() for x in exp_avgs]  # fp32 state: the state itself, updated in place
+        v = [x.float() for x in exp_avg_sqs]
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        for buf, val in zip([*exp_avgs, *exp_avg_sqs], [*m, *v], strict=True):
             if buf.dtype == torch.bfloat16 and update != "plain":
                 stochastic_round_(buf, val)
-            else:
+            elif buf is not val:
                 buf.copy_(val)
-        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)  # v may alias fp32 state
-        p32 = p.float()
+        denom = torch._foreach_sqrt(v)  # v may alias fp32 state
+        torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
+        torch._foreach_add_(denom, eps)
+        p32 = [p.float() for p in ps]
         # the update in fp32: decoupled weight decay plus the Adam step
-        delta = (m / denom).mul_(-lr / (1 - beta1**t)).add_(p32, alpha=-lr * wd)
+        delta = torch._foreach_div(m, denom)
+        torch._foreach_mul_(delta, -lr / (1 - beta1**t))
+        torch._foreach_add_(delta, p32, alpha=-lr * wd)
         if not low:
-            p.add_(delta)
+            torch._foreach_add_(ps, delta)
         elif update == "kahan":
-            assert comp is not None
-            delta.add_(comp)  # what is owed from earlier roundings
-            p.copy_(p32 + delta)
-            comp.copy_(delta.sub_(p.float() - p32))  # intended minus applied
-        elif update == "stochastic" and p.dtype == torch.bfloat16:
-            stochastic_round_(p, p32.add_(delta))
+            torch._foreach_add_(delta, comps)  # what is owed from earlier roundings
+            torch._foreach_copy_(ps, torch._foreach_add(p32, delta))
+            applied = torch._foreach_sub([p.float() for p in ps], p32)
+            torch._foreach_sub_(delta, applied)  # intended minus applied
+            torch._foreach_copy_(comps, delta)
+        elif update == "stochastic" and ps[0].dtype == torch.bfloat16:
+            torch._foreach_add_(p32, delta)
+            for p, x in zip(ps, p32, strict=True):
+                stochastic_round_(p, x)
         else:
-            p.copy_(p32.add_(delta))
+            torch._foreach_add_(p32, delta)
+            torch._foreach_copy_(ps, p32)
 
 
 def effective_weight(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
@@ -557,9 +584,11 @@ class NonFiniteError(UserError):
 class PrecisionMonitor:
     """Run-time side of the policy, asked by the loop at optimizer (sync) steps only.
 
-    - `step_ok(grad_norm, window_loss, step)`: one host sync per optimizer step. fp16 defers to
-      the GradScaler (it skips overflowing steps and lowers the scale); other modes stop with a
-      NonFiniteError (`train.nonfinite=stop`) or skip the step (`skip`).
+    - `step_ok(grad_norm, window_loss, step)`, at each optimizer step. fp16 defers to the GradScaler
+      (it skips overflowing steps and lowers the scale). `train.nonfinite=stop` reads nothing back: the
+      first non-finite step is recorded on the device and `raise_if_nonfinite()` (a host sync, at the
+      loop's log rows, evaluations and checkpoints) stops with a NonFiniteError, so no checkpoint or
+      evaluation ever sees the weights after it. `skip` must decide before the step: one host sync per step.
     - `after_step(skipped)`: counts scaler-skipped fp16 steps.
     - `fields()`: what every metrics.jsonl line gets (compile_graphs, loss_scale, skip counts).
     """
@@ -579,6 +608,9 @@ class PrecisionMonitor:
         self.scaler_skipped = 0
         self.nonfinite_skipped = 0
         self._limit_reported = False
+        self._first_bad: torch.Tensor | None = (
+            None  # stop: [step, loss, grad norm] of the first bad step; step 0 = none
+        )
 
     @property
     def checks_grads(self) -> bool:
@@ -586,37 +618,66 @@ class PrecisionMonitor:
         return self.mode != "fp16"
 
     def step_ok(self, grad_norm: torch.Tensor | float | None, window_loss: torch.Tensor, step: int) -> bool:
-        """True to apply this optimizer step; False to skip it; raises NonFiniteError to stop."""
+        """True to apply this optimizer step; False to skip it (`skip`). With `stop` always True: the step
+        is recorded for `raise_if_nonfinite` without a host sync."""
         if not self.checks_grads:
             return True  # fp16: the GradScaler skips the step and lowers the scale
-        bad = ~torch.isfinite(window_loss.detach().float())
+        loss = window_loss.detach().float()
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm; its value is the same on every rank
             grad_norm = grad_norm.full_tensor()
-        if grad_norm is not None:
-            bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=bad.device).float())
+        norm = loss.new_zeros(()) if grad_norm is None else torch.as_tensor(grad_norm, device=loss.device).float()
+        bad = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        if self.nonfinite == "stop":
+            first = self._first_bad if self._first_bad is not None else loss.new_zeros(3)
+            here = torch.stack([torch.full_like(loss, float(step)), loss, norm])  # a fill, not a host-to-device copy
+            self._first_bad = torch.where(bad & (first[0] == 0), here, first)
+            return True
         if self.num_processes > 1:  # every rank must take the same decision
             import torch.distributed as dist
 
             flag = bad.float().reshape(1)
             dist.all_reduce(flag)
             bad = flag[0] > 0
-        if not bool(bad):  # the one host sync per optimizer step
+        if not bool(bad):  # skip: the one host sync per optimizer step
             return True
-        what = f"loss {float(window_loss):g}, gradient norm {float(grad_norm) if grad_norm is not None else 'n/a'}"
-        if self.nonfinite == "skip":
-            self.nonfinite_skipped += 1
-            logger.warning(
-                f"warning: non-finite values at optimizer step {step} ({what}): step skipped "
-                f"({self.nonfinite_skipped} so far)"
-            )
-            return False
+        self.nonfinite_skipped += 1
+        logger.warning(
+            f"warning: non-finite values at optimizer step {step} ({self._what(loss, norm, grad_norm is not None)}): "
+            f"step skipped ({self.nonfinite_skipped} so far)"
+        )
+        return False
+
+    @staticmethod
+    def _what(loss: torch.Tensor, norm: torch.Tensor, has_norm: bool) -> str:
+        return f"loss {float(loss):g}, gradient norm {float(norm) if has_norm else 'n/a'}"
+
+    def raise_if_nonfinite(self) -> None:
+        """Stop if a step since the start had a non-finite loss or gradient norm (`train.nonfinite=stop`).
+
+        A host sync (and, with several processes, a collective every rank calls at the same step): call it
+        where the loop reads values anyway, before a log row, an evaluation or a checkpoint.
+
+        Raises:
+            NonFiniteError: naming the first such step, its values and the last intact checkpoint.
+        """
+        if self._first_bad is None:
+            return
+        first = self._first_bad
+        if self.num_processes > 1:  # a rank's own loss may be the only bad value: every rank stops
+            import torch.distributed as dist
+
+            first = first.clone()
+            dist.all_reduce(first, op=dist.ReduceOp.MAX)
+        step, loss, norm = first.tolist()
+        if step == 0:
+            return
         where = ""
         if self.last_checkpoint is not None:
             found = self.last_checkpoint()
             where = f"; the last checkpoint {found} is intact" if found else "; no checkpoint was written yet"
         raise NonFiniteError(
-            f"training stopped: non-finite values at optimizer step {step} ({what}) in "
-            f"precision.mode={self.mode}{where}; "
+            f"training stopped: non-finite values at optimizer step {int(step)} (loss {loss:g}, "
+            f"gradient norm {norm:g}) in precision.mode={self.mode}{where}; "
             "lower train.learning_rate, set train.max_grad_norm, try precision.mode=fp32, or set train.nonfinite=skip"
         )
 

@@ -417,7 +417,7 @@ def optimizer_step(run: Run, progress: TrainingProgress, window: torch.Tensor, s
         )
     elif max_norm is not None or run.precision.checks_grads:
         grad_norm = acc.clip_grad_norm_(run.model.parameters(), max_norm or float("inf"))
-    # the step's one host sync: NaN/inf loss or grad norm stops (NonFiniteError) or skips (train.nonfinite)
+    # NaN/inf loss or grad norm: recorded on the device (stop) or the step skipped (train.nonfinite=skip)
     if run.precision.step_ok(grad_norm, window[0], step):
         try:
             faults.oom_point("oom_in_step", step)
@@ -490,6 +490,7 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
 
 def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     """One training row of metrics.jsonl (and the trackers); the interval's sums start again."""
+    run.precision.raise_if_nonfinite()  # the interval's host sync reads the non-finite record too
     loss, weight, real, total, samples = sums.reduce(run.accelerator)
     row = {
         "step": progress.step,
@@ -517,6 +518,7 @@ def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
 def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     """A periodic evaluation: metrics row, best-metric bookkeeping; its time is not throughput."""
     started = time.perf_counter()
+    run.precision.raise_if_nonfinite()
     release_cached_memory(run.cfg.precision.empty_cache, run.accelerator.device)
     progress.eval = evaluate_split(run, "validation", progress.step)
     progress.eval["step"] = progress.step
@@ -582,6 +584,7 @@ def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
         UserError: the disk is full (the previous checkpoint is intact).
     """
     acc, cfg = run.accelerator, run.cfg
+    run.precision.raise_if_nonfinite()  # no checkpoint of weights after a non-finite step
     snapshot = dataclasses.replace(progress, log_sums=sums.reduce(acc))
     if snapshot.batches_in_epoch >= len(run.train_loader):  # a finished epoch: saved as the start of the next
         snapshot.epoch, snapshot.batches_in_epoch = snapshot.epoch + 1, 0
@@ -647,6 +650,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     """Final evaluation and checkpoint, then final/ and an eval.json that describes final/'s weights."""
     acc, cfg = run.accelerator, run.cfg
     run.bar.close()
+    run.precision.raise_if_nonfinite()
     release_cached_memory(cfg.precision.empty_cache, acc.device)
     if run.eval_loader is not None and progress.eval.get("step") != progress.step:  # not twice for one step
         progress.eval = evaluate_split(run, "validation", progress.step)

@@ -71,12 +71,12 @@ def make_config(args: argparse.Namespace, out: Path, seed: int, rows: int, extra
         "train.eval_every_steps=null",
         f"train.log_every_steps={10**9}",  # one log row at the last step: the whole loop's samples/s
         "checkpoint.every_steps=null",
-        "precision.mode=fp32",
+        f"precision.mode={args.precision}",
         *(f"train.learning_rate={args.lr}",) * (args.lr is not None),
         *args.override,
         *(extra or []),
     ]
-    return load_config(BASE_CONFIG, overrides)
+    return load_config(args.base, overrides)
 
 
 def shared_hparams(cfg: Config, total_steps: int) -> dict[str, Any]:
@@ -150,9 +150,15 @@ class _TargetReached(Exception):
 
 
 def run_finetune(
-    args: argparse.Namespace, seed: int, rows: int, eval_every: int | None = None, packed: bool = False
+    args: argparse.Namespace,
+    seed: int,
+    rows: int,
+    eval_every: int | None = None,
+    packed: bool = False,
+    probe: Any = None,
 ) -> dict[str, Any]:
-    """finetune's real code path; samples/s and padding as its loop logged them (`packed`: data.packing=true)."""
+    """finetune's real code path; samples/s and padding as its loop logged them (`packed`: data.packing=true).
+    `probe.enable()` / `probe.disable()` bracket the loop (a profiler)."""
     import finetune.train as ft
     from finetune.window import WindowedBatchSampler
 
@@ -162,12 +168,16 @@ def run_finetune(
     set_epoch, collect, score = WindowedBatchSampler.set_epoch, ft.collect_outputs, ft.score
 
     def mark_start(self: Any, epoch: int) -> None:
+        if "cpu0" not in marks and probe is not None:
+            probe.enable()
         marks.setdefault("cpu0", time.process_time())
         set_epoch(self, epoch)
 
     reached: dict[int, float] = {}
 
     def mark_end(*a: Any, **k: Any) -> Any:
+        if "cpu1" not in marks and probe is not None:
+            probe.disable()
         marks.setdefault("cpu1", time.process_time())
         return collect(*a, **k)
 
@@ -313,9 +323,11 @@ def run_trainer(
     return out
 
 
-def run_minimal(args: argparse.Namespace, seed: int, rows: int) -> dict[str, Any]:
+def run_minimal(args: argparse.Namespace, seed: int, rows: int, probe: Any = None) -> dict[str, Any]:
     """A minimal hand-written loop over the batches finetune's own loader yields (same order,
-    same padding), with finetune's optimizer and scheduler: what remains is loop overhead."""
+    same padding), in the same precision as written by hand: fp32; bf16 = autocast around the
+    forward; bf16-true = the model cast to bf16 with torch's AdamW (round to nearest, no fp32 norms).
+    fp32 and bf16 use finetune's optimizer and scheduler: what remains is loop overhead."""
     from accelerate.utils import set_seed
 
     with tempfile.TemporaryDirectory(prefix="bench-min-") as tmp:
@@ -326,15 +338,25 @@ def run_minimal(args: argparse.Namespace, seed: int, rows: int) -> dict[str, Any
         model = build_model(cfg, data.label_names, tokenizer)
         loader, sampler = build_train_loader(data.train, tokenizer, cfg, args.micro, 1, 1)
         total, _ = planned_steps(cfg, sampler.num_windows())
-        optimizer = build_optimizer(cfg, model)
+        mode = cfg.precision.mode
+        if mode == "bf16-true":
+            model.to(torch.bfloat16)
+            optimizer: Any = torch.optim.AdamW(model.parameters(), lr=cfg.train.learning_rate, foreach=True)
+        else:
+            optimizer = build_optimizer(cfg, model)
         scheduler = build_scheduler(cfg, optimizer, total)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16")
         model.train()
         n = 0
+        if probe is not None:
+            probe.enable()
         t0, c0 = time.perf_counter(), time.process_time()
         for batch in loader:
             labels = batch.pop("labels")
             batch.pop("sample_weight"), batch.pop("window_samples")
-            loss = F.cross_entropy(model(**batch).logits, labels)
+            with autocast:
+                logits = model(**batch).logits
+            loss = F.cross_entropy(logits.float(), labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm or math.inf)
             optimizer.step()
@@ -342,6 +364,8 @@ def run_minimal(args: argparse.Namespace, seed: int, rows: int) -> dict[str, Any
             optimizer.zero_grad(set_to_none=True)
             n += len(labels)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if probe is not None:
+            probe.disable()
     return {"samples_per_s": n / seconds, "samples_per_cpu_s": n / cpu}
 
 
@@ -414,7 +438,8 @@ def warm_up(args: argparse.Namespace, dev: DevSet | None = None) -> None:
     if args.warmup_rows <= 0:
         return
     run_finetune(args, args.seed, args.warmup_rows)
-    run_finetune(args, args.seed, args.warmup_rows, packed=True)
+    if args.mode == "throughput":  # packing refuses decoders; the overhead mode does not run it
+        run_finetune(args, args.seed, args.warmup_rows, packed=True)
     run_minimal(args, args.seed, args.warmup_rows)
     if dev is not None:
         run_trainer(args, args.seed, args.warmup_rows, grouped=False, dev=None)
@@ -445,7 +470,51 @@ def mode_overhead(args: argparse.Namespace) -> dict[str, Any]:
         f"minimal {_median([m['samples_per_s'] for m in minimal]):.1f}; "
         f"overhead {100 * overhead['samples_per_s']:+.1f}% wall, {100 * overhead['samples_per_cpu_s']:+.1f}% cpu time"
     )
-    return {"mode": "overhead", "finetune": ours, "minimal": minimal, "overhead": overhead}
+    result = {"mode": "overhead", "finetune": ours, "minimal": minimal, "overhead": overhead}
+    if args.profile is not None:
+        result["host_syncs"] = profile_loops(args)
+    return result
+
+
+def profile_loops(args: argparse.Namespace) -> dict[str, Any]:
+    """One more run of each loop under cProfile and the host-sync counter: the top functions by their own
+    time, and the reads of tensor values by call site, written to `args.profile`."""
+    import cProfile
+    import io
+    import pstats
+
+    from finetune.syncs import HostSyncCounter
+
+    class Probe:
+        """cProfile and the host-sync counter, on for the loop only."""
+
+        def __init__(self) -> None:
+            self.prof, self.counter, self.before = cProfile.Profile(), HostSyncCounter(), None
+
+        def enable(self) -> None:
+            self.before = self.counter.sites.copy()
+            self.prof.enable()
+
+        def disable(self) -> None:
+            self.prof.disable()
+            self.counter.sites.subtract(self.before)
+            self.counter.sites = +self.counter.sites  # the loop's reads only
+            self.counter.count = sum(self.counter.sites.values())
+
+    text, syncs = [], {}
+    for name, fn in (("finetune", run_finetune), ("minimal", run_minimal)):
+        probe = Probe()
+        with probe.counter:
+            r = fn(args, args.seed, args.rows, probe=probe)
+        prof, counter = probe.prof, probe.counter
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        syncs[name] = {"total": counter.count, "top_sites": counter.top(15)}
+        text += [f"# {name}: {r['samples_per_s']:.1f} samples/s under the profiler", out.getvalue()]
+        text += [f"host reads of tensor values: {counter.count}"] + [f"  {n:6d}  {site}" for site, n in counter.top(15)]
+    args.profile.write_text("\n".join(text))
+    print(f"profile written to {args.profile}")
+    return syncs
 
 
 def _first_crossing(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -503,6 +572,16 @@ def mode_target(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["throughput", "overhead"], default="throughput")
+    p.add_argument("--base", type=Path, default=BASE_CONFIG, help="the config every contestant starts from")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "bf16-true"],
+        default="fp32",
+        help="precision.mode of every contestant (the minimal loop: autocast, or the model cast to bf16)",
+    )
+    p.add_argument(
+        "--profile", type=Path, default=None, help="overhead mode: cProfile both loops once, top functions to this file"
+    )
     p.add_argument("--rows", type=int, default=3200, help="first N SST-2 training rows (default 3200)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--micro", type=int, default=32, help="micro-batch size (default 32)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -389,10 +390,15 @@ def test_monitor_stops_or_skips_on_nonfinite(tmp_path: Path) -> None:
     finite, inf = torch.tensor(1.0), torch.tensor(float("inf"))
     stop = PrecisionMonitor("bf16-true", "stop", last_checkpoint=lambda: None)
     assert stop.step_ok(torch.tensor(2.0), finite, 1)
-    with pytest.raises(UserError, match="non-finite values at optimizer step 3.*no checkpoint was written yet"):
-        stop.step_ok(torch.tensor(float("nan")), finite, 3)
-    with pytest.raises(UserError, match="loss inf"):
-        stop.step_ok(torch.tensor(1.0), inf, 4)
+    stop.raise_if_nonfinite()  # nothing bad yet
+    # stop defers: the step is taken, the first bad one recorded on the device and raised at the next check
+    assert stop.step_ok(torch.tensor(float("nan")), finite, 3) and stop.step_ok(torch.tensor(1.0), inf, 4)
+    with pytest.raises(UserError, match="non-finite values at optimizer step 3 .*no checkpoint was written yet"):
+        stop.raise_if_nonfinite()
+    late = PrecisionMonitor("bf16", "stop")
+    assert late.step_ok(None, finite, 1) and late.step_ok(torch.tensor(1.0), inf, 2)
+    with pytest.raises(UserError, match="step 2 \\(loss inf"):
+        late.raise_if_nonfinite()
     skip = PrecisionMonitor("fp32", "skip")
     assert not skip.step_ok(None, inf, 1) and skip.fields() == {"nonfinite_skipped_steps": 1}
 
@@ -621,3 +627,67 @@ def test_bf16_adamw_chunked_update_equals_whole_tensor_update(update: str, monke
     assert not torch.equal(p1, start)  # it moved
     assert torch.equal(p1, p2)
     assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def _reference_adamw_step(p: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]) -> None:
+    """One Bf16AdamW step of one tensor, written per tensor in plain torch (no foreach, no buckets, no slices),
+    with round-to-nearest write-backs: the reference the bucketed step must equal bit for bit."""
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    if not state:
+        state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        if p.dtype == torch.bfloat16:
+            state["kahan_comp"] = torch.zeros_like(p)
+    state["step"] += 1
+    t = float(state["step"])
+    grad = p.grad.float()
+    m = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+    v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    state["exp_avg"].copy_(m)
+    state["exp_avg_sq"].copy_(v)
+    denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+    p32 = p.detach().float()
+    delta = (m / denom).mul_(-lr / (1 - beta1**t)).add_(p32, alpha=-lr * wd)
+    if p.dtype == torch.float32:
+        p.data.add_(delta)
+        return
+    delta.add_(state["kahan_comp"])
+    p.data.copy_(p32 + delta)
+    state["kahan_comp"].copy_(delta.sub_(p.detach().float() - p32))
+
+
+def test_bf16_adamw_foreach_buckets_equal_a_per_tensor_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16-true's optimizer step runs `torch._foreach_*` over buckets of tensors; a plain per-tensor loop
+    gives the same weights and state bit for bit over several steps: bf16 and fp32 (norm) parameters mixed,
+    two groups with their own lr and weight decay, a tensor larger than a bucket (sliced), one without a
+    gradient."""
+    import finetune.precision as precision
+
+    monkeypatch.setattr(precision, "stochastic_round_", lambda dst, src: dst.copy_(src))
+    monkeypatch.setattr(Bf16AdamW, "CHUNK", 1000)
+    torch.manual_seed(0)
+    shapes = [(40, 30), (30,), (7,), (5, 3), (2500,), (12,)]  # 1,200 and 2,500 elements: sliced
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32]
+    start = [torch.randn(s).to(d) for s, d in zip(shapes, dtypes, strict=True)]
+    ours = [nn.Parameter(x.clone()) for x in start]
+    ref = [nn.Parameter(x.clone()) for x in start]
+    groups = [{"lr": 1e-2, "weight_decay": 0.1}, {"lr": 3e-3, "weight_decay": 0.0}]
+    opt = Bf16AdamW([{"params": ours[:3], **groups[0]}, {"params": ours[3:], **groups[1]}], lr=1.0, update="kahan")
+    ref_state: list[dict[str, torch.Tensor]] = [{} for _ in ref]
+    for step in range(4):
+        for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+            if i == 5 and step == 1:  # no gradient this step: not updated, its step count lags
+                a.grad = b.grad = None
+                continue
+            g = torch.randn(a.shape).to(a.dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        for i, b in enumerate(ref):
+            if b.grad is not None:
+                _reference_adamw_step(b, ref_state[i], {**groups[i >= 3], "betas": (0.9, 0.999), "eps": 1e-8})
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        assert not torch.equal(a.detach(), start[i])
+        assert a.dtype == dtypes[i] and torch.equal(a.detach(), b.detach()), i
+        state = opt.state[a]
+        assert state.keys() == ref_state[i].keys(), i
+        assert all(torch.equal(state[k], ref_state[i][k]) for k in state), i
