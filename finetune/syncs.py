@@ -23,7 +23,7 @@ _TORCH_DIR = str(Path(torch.__file__).parent)
 class HostSyncCounter:
     """Counts host reads of tensor values while active (a context manager; not thread-safe, not nested).
 
-    `count` is the total; `sites` counts them by the first caller outside torch itself ("file:line"), so a
+    `count` is the total; `sites` counts them by the first caller outside torch itself ("file:line (function)"), so a
     report names the line of the program, or of Accelerate or transformers, that asked for the value.
     Reads of tensors with one element that live on the CPU and were made there (an optimizer's `step`
     counter) are counted too: on CUDA they do not wait for the device, so a count on CPU is an upper bound.
@@ -69,10 +69,12 @@ _MISSING: Any = object()
 
 
 def _caller() -> str:
-    """The first frame outside torch's own package and this module."""
+    """The first frame outside torch's own package and this module, as "file:line (function)"."""
     frame = sys._getframe(2)
     while frame is not None and (
         frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_code.co_filename == __file__
     ):
         frame = frame.f_back
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+    if frame is None:
+        return "?"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_qualname})"

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "finetune"
 LAYERS = [
     "errors",
     "fileio",
+    "syncs",
     "tasks",
     "config",
     "config_io",
