@@ -177,3 +177,51 @@ def test_a_lost_node_costs_one_line_and_the_run_resumes_exactly(tmp_path: Path) 
         assert diff <= 1e-5, f"{name}: max abs weight difference {diff}"
     adapter = load_file(one / "final" / "adapter" / "adapter_model.safetensors")
     assert max(v.abs().max().item() for k, v in adapter.items() if "lora_B" in k) > 1e-4  # it trained
+
+
+class FakeStore:
+    """The few calls of torch's c10d store that the beats use, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, int | str] = {}
+
+    def add(self, key: str, n: int) -> int:
+        self.values[key] = int(self.values.get(key, 0)) + n
+        return int(self.values[key])
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+
+def test_a_silent_rank_is_lost_after_the_peer_timeout_and_a_finished_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The main process's view of the beats (runtime._watch_peers) on a clock of its own: rank 1 beats,
+    rank 2 stops after its first beat, rank 3 stops but has ended normally (its "done" mark)."""
+    from finetune import runtime
+
+    clock = [0.0]
+    monkeypatch.setattr(runtime.time, "monotonic", lambda: clock[0])
+    ended: list[tuple[list[int], str]] = []
+    monkeypatch.setattr(runtime, "_end_for_lost", lambda lost, how, store: ended.append((lost, how)))
+    store = FakeStore()
+    peers = runtime._PeerBeats(world=4, started=0.0)
+    for second in range(1, 40):
+        clock[0] = float(second)
+        store.add(f"{runtime.BEAT_KEY}1", 1)
+        if second == 1:
+            store.add(f"{runtime.BEAT_KEY}2", 1)
+            store.add(f"{runtime.BEAT_KEY}3", 1)
+            store.set(f"{runtime.DONE_KEY}3", "1")
+        runtime._watch_peers(store, 0, peers)
+        if ended:
+            break
+    assert ended == [([2], "no heartbeat for 31 s")]  # rank 2's last beat moved at second 1
+    assert clock[0] == 1 + runtime.PEER_TIMEOUT_S + 1
+    assert store.values[f"{runtime.BEAT_KEY}0"] == clock[0]  # the main process beat once a second itself
+    # after a failed collective: ranks whose counter does not move within the sample are the lost ones
+    monkeypatch.setattr(runtime.time, "sleep", lambda s: store.add(f"{runtime.BEAT_KEY}1", 1))
+    assert runtime.lost_ranks(store, 0, 3) == [2]
