@@ -518,7 +518,7 @@ class CheckpointConfig(_Section):
 
 
 class MemoryConfig(_Section):
-    """`memory`: the budget the planner fits into, and CUDA allocator history recording."""
+    """`memory`: the budget the planner fits into, the peak's breakdown, and CUDA allocator history recording."""
 
     budget_gb: PositiveFloat | None = Field(
         None, description="memory budget (GiB) the planner fits the micro-batch into (train.micro_batch_size: auto)"
@@ -526,6 +526,13 @@ class MemoryConfig(_Section):
     record_history: bool = Field(
         False,
         description="record the CUDA allocator history into each checkpoint (memory_snapshot.pickle)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
+    breakdown: bool = Field(
+        True,
+        description="split the peak by category (parameters, gradients, optimizer state, activations) with "
+        "MemTracker on two training windows, step 2 and the epoch's heaviest; each sampled window runs several "
+        "times slower (a fixed cost, not per step); false: memory.json has the measured peaks only",
         json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
 

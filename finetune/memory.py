@@ -182,8 +182,10 @@ class MemoryMonitor:
         optimizer: torch.optim.Optimizer,
         config_summary: dict[str, Any],
         record_history: bool = False,
+        breakdown: bool = True,
     ) -> None:
         self.device = device
+        self.breakdown = breakdown  # memory.breakdown: sample windows with MemTracker at all
         self.cuda = device.type == "cuda"
         self.model = model
         self.optimizer = optimizer
@@ -242,6 +244,9 @@ class MemoryMonitor:
             self.sample and "peak" in self.sample and step + 1 == self.heaviest_step and self.sample["step"] != step + 1
         )
         if (self.sample is not None and not again) or self._tracker is not None or step < 1:
+            return
+        if not self.breakdown:
+            self.sample = {"error": "not sampled: memory.breakdown is false"}
             return
         if any(getattr(m, "_compiled_call_impl", None) is not None for m in self.model.modules()):
             # a dispatch mode around a compiled model changes dynamo's guards (recompiles)
@@ -370,7 +375,8 @@ class MemoryMonitor:
                     "(activations include temporaries)",
                 )
         if "error" in sample:
-            rep["breakdown_method"] += f"; MemTracker failed: {sample['error']}"
+            why = "" if sample["error"].startswith("not sampled") else "MemTracker failed: "
+            rep["breakdown_method"] += f"; {why}{sample['error']}"
         self._since_ckpt = {"peak_allocated": 0, "peak_reserved": 0, "peak_rss": 0}
         rep["ranks"] = every_rank(rep)
         return rep

@@ -257,7 +257,9 @@ def train(
         progress = resume(run, resume_from, progress, sums)
     was_finished = progress.finished  # a finished run resumed: its final evaluation and checkpoint exist
     summary = memory_summary(cfg, progress) | {"planned_bytes": planned}  # the plan, when micro-batch was auto
-    run.memory = mem.MemoryMonitor(accelerator.device, model, optimizer, summary, cfg.memory.record_history)
+    run.memory = mem.MemoryMonitor(
+        accelerator.device, model, optimizer, summary, cfg.memory.record_history, cfg.memory.breakdown
+    )
     run.memory.heaviest_step = heaviest_step(sampler, progress, total_steps)
     run.bar = step_bar(total_steps, progress.step, accelerator.is_main_process)
     if progress.step < total_steps and not progress.finished:

@@ -261,3 +261,18 @@ def test_trackers_get_the_whole_config_as_dotted_scalars() -> None:
     assert flat["model.problem_type"] == "multi_label_classification" and flat["train.learning_rate"] == 1e-4
     assert flat["data.column_names"] == '["text", "labels", "id"]' and flat["data.truncation"] == "null"
     assert all(isinstance(v, (bool, int, float, str)) for v in flat.values())
+
+
+def test_breakdown_off_samples_nothing_and_says_so() -> None:
+    """memory.breakdown=false: no MemTracker window (the loop runs at full speed), memory.json says why."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    monitor = mem.MemoryMonitor(torch.device("cpu"), model, optimizer, {}, breakdown=False)
+    monitor.begin_sample(1)
+    assert monitor._tracker is None
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    monitor.end_sample()
+    rep = monitor.report(2)
+    assert rep["memtracker_peak"] is None and rep["breakdown_method"].endswith("not sampled: memory.breakdown is false")
