@@ -603,7 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--with-grouped", action="store_true", help="time-to-accuracy: also Trainer with group_by_length")
     p.add_argument(
-        "--warmup-rows", type=int, default=64, help="rows of the discarded warm-up run of each code path (0: none)"
+        "--warmup-rows",
+        type=int,
+        default=None,
+        help="rows of the discarded warm-up run of each code path (0: none; default 64, and --rows in the overhead "
+        "mode: CPU bf16 kernels are set up once per new shape, which would bill the first contestant for every shape)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", type=Path, default=None, help="write all results here")
@@ -616,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("override", nargs="*", help="extra finetune overrides (dotted.key=value) for every contestant")
     args = p.parse_args(argv)
+    if args.warmup_rows is None:
+        args.warmup_rows = args.rows if args.mode == "overhead" else 64
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.target_acc is not None:
