@@ -180,6 +180,13 @@ def _cast_tensors(value: Any, dtype: torch.dtype) -> Any:
 
 def _fp32_norm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Run a norm on fp32 inputs with autocast off; return the caller's floating dtype."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        # the usual call, norm(hidden), without autocast (bf16-true has none): it runs once per norm per
+        # forward, so no context manager and no walk over the arguments
+        x = args[0]
+        if not torch.is_autocast_enabled(x.device.type):
+            out = self._fp32_inner_forward(x.float())
+            return out.to(x.dtype) if isinstance(out, torch.Tensor) else _cast_tensors(out, x.dtype)
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
     if first is None:
         return self._fp32_inner_forward(*args, **kwargs)
