@@ -8,11 +8,15 @@ whose tables docs/BENCHMARKS.md and docs/MEMORY.md take as they are:
    `model.compile`, each a real `finetune.train.train(cfg)` run: samples/s and tokens/s of the
    log intervals after the first, MFU, the first interval's time (compilation included), compiled
    graphs, fp16 skipped steps, the loss at the last step against fp32's, the memory report's
-   allocator counters;
+   allocator counters, and what the run left allocated after it returned;
+   `--profile MODE`: one short run of MODE per model under torch.profiler, its top operations by
+   self CPU and CUDA time and its host syncs per optimizer step (reads of tensor values patched,
+   and on CUDA `torch.cuda.set_sync_debug_mode("warn")`), in profile-MODEL-MODE.md;
 2. memory: `planner.predict_peak` against `torch.cuda.max_memory_allocated` (`benchlib.measure_cuda`)
    for the ladder fp32 -> bf16 -> accumulation -> checkpointing -> bf16-true -> LoRA
    (scripts/bench_memory.py's rungs), reserved and fragmentation with and without
-   `expandable_segments` (a child process: the setting must precede CUDA's initialisation);
+   `expandable_segments`, each in a fresh child process (what the precision runs left allocated
+   would count otherwise; the allocator setting must precede CUDA's initialisation);
 3. transformers.Trainer on the same model, rows and precision (defaults, and group_by_length);
    the OOM backoff under `torch.cuda.set_per_process_memory_fraction` at a micro-batch that does
    not fit: finetune halves it and keeps the effective batch, Trainer's auto_find_batch_size
@@ -21,13 +25,16 @@ whose tables docs/BENCHMARKS.md and docs/MEMORY.md take as they are:
 The models are random (no weights travel): MiniLM's shapes (scripts/bench_memory.py's
 MINILM_ARCH) and Qwen2.5-0.5B's (configs/qwen2.5-0.5b-lora.yaml's plan_architecture), with a
 word-level tokenizer built here over the model's whole vocabulary and a synthetic two-class task
-(marker words decide the label, so the loss falls). MFU = tokens/s x (6 N + 12 l d T) / 790e12:
+(marker words decide the label, so the loss falls). `--models`, `--sections` and `--modes` choose
+what runs; the chosen (section, model) pairs share all of `--budget-s` in SHARES' proportions.
+MFU = tokens/s x (6 N + 12 l d T) / 790e12:
 N the weights of the nn.Linear layers (embeddings excluded), l layers, d hidden size, T the mean
 real tokens per row (attention counted in full, causal masks not halved); 790 TFLOP/s is the
 dense bf16 rate KINDS.md measured on the H200. fp32 rows are measured against the same bf16 peak.
 
 Here (this machine: pip reaches PyPI), once, the wheels the GPU machine lacks (pydantic, datasets
-and what they need beyond its image; ~4 MiB):
+and what they need beyond its image, and transformers and peft at this venv's versions: its image has
+older ones; 17 MiB):
 
     PYTHONPATH=. .venv/bin/python scripts/gpu_check.py --prepare .gpu_wheels   # .gpu_wheels/ is git-ignored
 
@@ -91,7 +98,8 @@ from finetune.planner import predict_peak  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12  # KINDS.md: an 8192^3 bf16 matmul ran at 769-798 TFLOP/s on random data
 LABELS = ["negative", "positive"]
-# the packages finetune imports that the GPU machine's image lacks (KINDS.md), at this venv's versions
+# the packages finetune imports that the GPU machine's image lacks (KINDS.md), or has at other versions (transformers
+# 5.17 and its own peft on 2026-12-04), at this venv's versions
 WHEELS = (
     "pydantic",
     "pydantic-core",
@@ -101,6 +109,8 @@ WHEELS = (
     "datasets",
     "dill",
     "multiprocess",
+    "transformers",
+    "peft",
 )
 # rungs of scripts/bench_memory.py in the issue's order: fp32 -> bf16 -> accumulation -> checkpointing ->
 # bf16-true -> LoRA
@@ -124,8 +134,45 @@ class Shape:
     row_s: float  # a guess at one eager run's seconds: a row starts only with that much of its cap left (x4: compile)
 
 
-# the order they run in: a time cap drops the tail, so the compiled run (its minute of compiling) comes early
-ALL_MODES = ("fp32", "fp32 seed 1", "bf16", "bf16 compile", "fp16", "bf16-true")
+# the order they run in: a time cap drops the tail, so the rows the first GPU run (2026-12-04) skipped for time
+# come first (fp16 and bf16-true on MiniLM; fp32, fp16 and compile on Qwen), then the compiled run (its minute
+# of compiling) before the rest
+ALL_MODES = ("fp16", "bf16-true", "fp32", "fp32 seed 1", "bf16 compile", "bf16")
+QWEN_MODES = ("fp16", "bf16 compile", "fp32", "bf16", "bf16-true")
+# share of --budget-s per (section, model), in the order they run; the pairs a run selects share the whole
+# budget in these proportions, and what a pair leaves unused goes to the pairs after it
+SHARES = {
+    ("precision", "minilm"): 0.32,
+    ("precision", "qwen2.5-0.5b"): 0.18,
+    ("profile", "minilm"): 0.06,
+    ("profile", "qwen2.5-0.5b"): 0.06,
+    ("memory", "minilm"): 0.16,
+    ("memory", "qwen2.5-0.5b"): 0.1,
+    ("trainer", "minilm"): 0.08,
+    ("oom", "minilm"): 0.1,
+}
+SECTIONS = ("precision", "profile", "memory", "trainer", "oom")
+
+
+def slug(mode: str) -> str:
+    """A mode as the command line writes it: 'bf16 compile' -> 'bf16-compile'."""
+    return mode.replace(" ", "-")
+
+
+def chosen_modes(modes: tuple[str, ...], wanted: list[str] | None) -> tuple[str, ...]:
+    """The shape's modes that `--modes` names (all without it), in the shape's order."""
+    return modes if wanted is None else tuple(m for m in modes if slug(m) in {slug(x) for x in wanted})
+
+
+def planned_pairs(sections: list[str], models: list[str]) -> list[tuple[str, str, float]]:
+    """(section, model, share) of every pair the run selects, in run order."""
+    return [(sec, m, SHARES[sec, m]) for sec in SECTIONS for m in models if (sec, m) in SHARES and sec in sections]
+
+
+def pair_cap(share: float, shares_left: float, time_left: float) -> float:
+    """A pair's cap: its share of the time left among the shares still to run (so the selected pairs
+    divide the whole budget, and time one pair does not use goes to the next)."""
+    return time_left * share / shares_left if shares_left > 0 else time_left
 
 
 def shapes(dry_run: bool) -> dict[str, Shape]:
@@ -149,19 +196,7 @@ def shapes(dry_run: bool) -> dict[str, Shape]:
         }
     return {
         "minilm": Shape("minilm", "encoder", minilm, 128, 32, 300, 1e-4, ALL_MODES, LADDER, 512, 15),
-        "qwen2.5-0.5b": Shape(
-            "qwen2.5-0.5b",
-            "decoder",
-            qwen,
-            128,
-            32,
-            40,
-            5e-5,
-            ("bf16", "bf16-true", "fp32", "fp16", "bf16 compile"),
-            (2, 3, 6, 4),
-            64,
-            30,
-        ),
+        "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "decoder", qwen, 128, 32, 40, 5e-5, QWEN_MODES, (2, 3, 6, 4), 64, 30),
     }
 
 
@@ -303,6 +338,9 @@ class Clock:
     def left(self) -> float:
         return min(self.section_end, self.start + self.total_s) - time.perf_counter()
 
+    def total_left(self) -> float:
+        return self.start + self.total_s - time.perf_counter()
+
 
 def finite(x: Any) -> Any:
     """`x` with every NaN and inf replaced by None: strict JSON has neither."""
@@ -386,6 +424,7 @@ def train_row(w: Workload, name: str, overrides: list[str]) -> dict[str, Any]:
     rate, first = steady_rate(train_rows, per_step)
     untracked, _ = steady_rate(train_rows, per_step, frozenset(tracked))
     shutil.rmtree(run / "final", ignore_errors=True)  # a Qwen-sized export is 2 GB of the machine's disk
+    left = left_behind()
     cuda = {k: v for k, v in (report.get("cuda") or {}).items() if k != "memory_summary"}
     return {
         "wall_s": wall,
@@ -402,11 +441,17 @@ def train_row(w: Workload, name: str, overrides: list[str]) -> dict[str, Any]:
         "loss_scale": train_rows[-1].get("loss_scale"),
         "peak_memory_mib": max((r.get("peak_memory_bytes") or 0) for r in train_rows) / MiB,
         "allocator": cuda or None,
+        "left_behind": left,
     }
 
 
 def precision_section(
-    w: Workload, clock: Clock, dry_run: bool, rows: list[dict[str, Any]], emit: Callable[[], None]
+    w: Workload,
+    modes: tuple[str, ...],
+    clock: Clock,
+    dry_run: bool,
+    rows: list[dict[str, Any]],
+    emit: Callable[[], None],
 ) -> None:
     """One row per mode of the shape; loss within noise: |loss - fp32's| <= max(2 x |fp32 - fp32 seed 1|, 0.01)."""
     cfg = w.config("flops", [])
@@ -414,7 +459,7 @@ def precision_section(
     mean_tokens = w.mean_tokens(tok)
     fpt = flops_per_token(cfg, tok, mean_tokens)
     first = len(rows)
-    for mode in w.shape.modes:
+    for mode in modes:
         row: dict[str, Any] = {
             "model": w.shape.name,
             "mode": mode,
@@ -451,6 +496,115 @@ def precision_section(
         r["flops_per_token"] = fpt
 
 
+@contextlib.contextmanager
+def counted_syncs(counts: dict[str, int]) -> Iterator[None]:
+    """Host synchronisations while active: reads of tensor values on the host (`finetune.syncs.HostSyncCounter`
+    patches `Tensor.item`, `tolist`, `cpu`, `__bool__`, `__float__`, ...; on CPU the only count) and, on CUDA,
+    the warnings of `torch.cuda.set_sync_debug_mode("warn")` (every op that waits for the device)."""
+    import warnings
+
+    from finetune.syncs import HostSyncCounter
+
+    cuda = torch.cuda.is_available()
+    with HostSyncCounter() as reads, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+            counts["host_reads"] = reads.count
+            counts["cuda_sync_warnings"] = sum("synchroniz" in str(x.message) for x in caught) if cuda else None
+            counts["sites"] = reads.top(8)  # type: ignore[assignment]
+
+
+def profile_run(w: Workload, mode: str, clock: Clock, dry_run: bool, out: Path) -> dict[str, Any]:
+    """One short `train()` run of `mode` under torch.profiler: after 3 warm-up optimizer steps, the
+    remaining steps profiled (self CPU and CUDA time per operation) and their host syncs counted; the
+    tables go to profile-MODEL-MODE.md under `out`."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from finetune.train import train
+
+    mode = next(m for m in ALL_MODES if slug(m) == slug(mode))
+    row: dict[str, Any] = {"model": w.shape.name, "mode": mode}
+    if clock.left() < max(3, w.shape.row_s * (4 if "compile" in mode else 1)):
+        return row | {"skipped": "time cap of the profile section"}
+    if mode == "fp16" and not torch.cuda.is_available():
+        return row | {"skipped": "CPU: Accelerate ignores fp16 there and finetune refuses it"}
+    steps, warm = min(w.shape.steps, 20), 3
+    cfg = w.config(f"profile-{slug(mode)}", [*mode_overrides(mode, dry_run), f"train.max_steps={steps}"])
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    counts: dict[str, Any] = {}
+    syncs = counted_syncs(counts)
+    done = [0]
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        done[0] += 1
+        prof.step()
+        if done[0] == warm:
+            syncs.__enter__()
+        elif done[0] == steps:
+            syncs.__exit__(None, None, None)
+
+    torch._dynamo.reset()
+    release()
+    with profile(activities=activities, schedule=schedule(wait=warm - 1, warmup=1, active=steps - warm)) as prof:
+        hook = register_optimizer_step_post_hook(after_step)
+        try:
+            train(cfg)
+        except Exception as exc:  # the row says why; the other sections go on
+            return row | {"error": one_line(exc)}
+        finally:
+            hook.remove()
+            if warm <= done[0] < steps:
+                syncs.__exit__(None, None, None)
+    profiled = steps - warm
+    row.update(
+        steps_profiled=profiled,
+        host_reads_per_step=counts["host_reads"] / profiled,
+        cuda_sync_warnings_per_step=None if not cuda else counts["cuda_sync_warnings"] / profiled,
+        sites=counts["sites"],
+        file=f"profile-{slug(w.shape.name)}-{slug(mode)}.md",
+    )
+    averages = prof.key_averages()
+    tables = [("self CPU time", averages.table(sort_by="self_cpu_time_total", row_limit=20))]
+    if cuda:
+        tables.append(("self CUDA time", averages.table(sort_by="self_cuda_time_total", row_limit=20)))
+    lines = [
+        f"# {w.shape.name}, {mode}: {profiled} optimizer steps of {w.shape.micro} rows profiled (after {warm})",
+        "",
+        f"host reads of tensor values per optimizer step: {row['host_reads_per_step']:.2f}"
+        + (f"; CUDA sync warnings per step: {row['cuda_sync_warnings_per_step']:.2f}" if cuda else ""),
+        "",
+        "where (reads in the profiled steps): "
+        + "; ".join(f"{site.replace(str(ROOT) + '/', '')} x{n}" for site, n in counts["sites"]),
+    ]
+    for title, table in tables:
+        lines += ["", f"## Top operations by {title}", "", "```", table, "```"]
+    (out / row["file"]).write_text("\n".join(lines) + "\n")
+    shutil.rmtree(Path(cfg.run.output_dir), ignore_errors=True)
+    return row
+
+
+def left_behind() -> dict[str, float] | None:
+    """On CUDA, after a run and a garbage collection: the allocator's allocated bytes and those of the CUDA
+    tensors Python can still reach (what a run leaves to the next one in the same process)."""
+    if not torch.cuda.is_available():
+        return None
+    gc.collect()
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in gc.get_objects()
+        if isinstance(t, torch.Tensor) and t.is_cuda
+    }
+    return {"allocated_mib": torch.cuda.memory_allocated() / MiB, "reachable_tensors_mib": sum(storages.values()) / MiB}
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. Memory: the planner against the allocator.
 
@@ -485,6 +639,7 @@ def measure_rungs(w: Workload, rungs: Iterable[int], clock: Clock | None) -> lis
         try:
             with torch.random.fork_rng(devices=[]):
                 if torch.cuda.is_available():
+                    row["allocated_before_mib"] = torch.cuda.memory_allocated() / MiB  # 0 in a fresh process
                     got = measure_cuda(cfg, micro, accumulation, tok, LABELS, texts, labels, w.shape.max_length)
                     row["measured_mib"], row["reserved_mib"] = got["max_allocated"] / MiB, got["max_reserved"] / MiB
                     row["fragmentation_mib"] = row["reserved_mib"] - row["measured_mib"]
@@ -499,21 +654,28 @@ def measure_rungs(w: Workload, rungs: Iterable[int], clock: Clock | None) -> lis
     return out
 
 
-def memory_section(w: Workload, clock: Clock, out: Path) -> list[dict[str, Any]]:
-    """Measurement and plan per rung, then the measured rungs again with expandable segments."""
-    rows = []
-    for index in w.shape.rungs:
-        (row,) = measure_rungs(w, [index], clock)
+def memory_section(w: Workload, clock: Clock, out: Path, dry_run: bool) -> list[dict[str, Any]]:
+    """Measurement and plan per rung, then the measured rungs again with expandable segments. On a GPU every
+    measurement runs in a fresh child process (one per allocator setting): in this process the precision runs
+    before it leave allocations that `max_memory_allocated` would count (the first GPU run read ~3 GB extra).
+    On a CPU MemTracker counts only the tensors it tracks, so the rungs are measured here."""
+    rungs = list(w.shape.rungs)
+    if torch.cuda.is_available():
+        fresh = child_rows(w, rungs, clock.left() * 0.6, out, None, dry_run)
+        measured = [i for i, r in zip(rungs, fresh, strict=True) if "measured_mib" in r]
+        others = child_rows(w, measured, clock.left(), out, "expandable_segments:True", dry_run)
+    else:
+        fresh = measure_rungs(w, rungs, clock)
+        measured = [i for i, r in zip(rungs, fresh, strict=True) if "skipped" not in r]
+        others = [{"skipped": "CPU: no CUDA allocator"} for _ in measured]
+    by_rung = dict(zip(measured, others, strict=True))
+    for index, row in zip(rungs, fresh, strict=True):
         if "skipped" not in row:
             plan_rung(w, index, row)
-        rows.append(row)
-    measured = [i for i, r in zip(w.shape.rungs, rows, strict=True) if "skipped" not in r]
-    others = dict(zip(measured, expandable_rows(w, measured, clock, out), strict=True))
-    for row, index in zip(rows, w.shape.rungs, strict=True):
         for key in ("measured_mib", "reserved_mib", "fragmentation_mib", "error", "skipped"):
-            if key in others.get(index, {}):
-                row[f"expandable_{key}"] = others[index][key]
-    return rows
+            if key in by_rung.get(index, {}):
+                row[f"expandable_{key}"] = by_rung[index][key]
+    return fresh
 
 
 def plan_rung(w: Workload, index: int, row: dict[str, Any]) -> None:
@@ -533,16 +695,22 @@ def plan_rung(w: Workload, index: int, row: dict[str, Any]) -> None:
         row["plan_error"] = one_line(exc)
 
 
-def expandable_rows(w: Workload, rungs: list[int], clock: Clock, out: Path) -> list[dict[str, Any]]:
-    """`rungs` measured again with `expandable_segments:True`, in a child process (the allocator
-    reads the setting when CUDA initialises)."""
-    if not torch.cuda.is_available():
-        return [{"skipped": "CPU: no CUDA allocator"} for _ in rungs]
-    left = clock.left()
-    if left < 20:
-        return [{"skipped": "time cap of the memory section"} for _ in rungs]
-    result = out / f"expandable-{w.shape.name}.json"
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+def child_rows(
+    w: Workload, rungs: list[int], timeout: float, out: Path, alloc_conf: str | None, dry_run: bool
+) -> list[dict[str, Any]]:
+    """`rungs` measured in a fresh child process, with `PYTORCH_CUDA_ALLOC_CONF=alloc_conf` (the allocator
+    reads it when CUDA initialises; None: the default allocator). The child writes its rows after each rung,
+    so those measured before a timeout are kept."""
+
+    def base(index: int, **why: str) -> dict[str, Any]:
+        name, _, micro, accumulation = rung_overrides(w, index)
+        return {"model": w.shape.name, "rung": name, "micro": micro, "accumulation": accumulation, **why}
+
+    if timeout < 20:
+        return [base(i, skipped="time cap of the memory section") for i in rungs]
+    result = out / f"{'expandable' if alloc_conf else 'fresh'}-{w.shape.name}.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    env.update({"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf else {})
     cmd = [
         sys.executable,
         __file__,
@@ -551,15 +719,19 @@ def expandable_rows(w: Workload, rungs: list[int], clock: Clock, out: Path) -> l
         str(w.work),
         ",".join(map(str, rungs)),
         str(result),
+        *(["--dry-run"] if dry_run else []),
     ]
+    result.unlink(missing_ok=True)
+    err = None
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]
     except subprocess.TimeoutExpired:
-        return [{"skipped": "time cap of the memory section (child process)"} for _ in rungs]
-    if proc.returncode != 0 or not result.exists():
-        err = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:300]
-        return [{"error": f"child process: {err}"} for _ in rungs]
-    return json.loads(result.read_text())
+        err = "time cap of the memory section (child process)"
+    rows = json.loads(result.read_text()) if result.exists() else []
+    missing = [base(i, skipped=err) if err and "time cap" in err else base(i, error=f"child: {err}") for i in rungs]
+    return rows + missing[len(rows) :]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -851,6 +1023,49 @@ def precision_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def profile_table(rows: list[dict[str, Any]]) -> list[str]:
+    """One row per profiled run: host syncs per optimizer step and where the operation tables are."""
+    lines = table_head(
+        "Profile (torch.profiler; host syncs counted over the profiled optimizer steps)",
+        [
+            "model",
+            "mode",
+            "steps profiled",
+            "host reads / step",
+            "CUDA sync warnings / step",
+            "most reads at",
+            "tables",
+        ],
+    )
+    for r in rows:
+        if _why(r):
+            lines.append(f"| {r['model']} | {r['mode']} | {_why(r)} |" + " |" * 4)
+            continue
+        site = f"{r['sites'][0][0].split('/')[-1]} x{r['sites'][0][1]}" if r["sites"] else "-"
+        lines.append(
+            f"| {r['model']} | {r['mode']} | {r['steps_profiled']} | {r['host_reads_per_step']:.2f} | "
+            f"{_f(r['cuda_sync_warnings_per_step'], '.2f')} | {site} | {r['file']} |"
+        )
+    return lines
+
+
+def left_behind_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What each precision run left allocated on the GPU after it returned (a garbage collection later)."""
+    left = [r for r in rows if r.get("left_behind")]
+    if not left:
+        return []
+    return [
+        "",
+        "Left allocated after each run returned (gc.collect() first; MiB allocated / of which CUDA tensors Python "
+        "still reaches): "
+        + "; ".join(
+            f"{r['model']} {r['mode']} {r['left_behind']['allocated_mib']:,.0f} / "
+            f"{r['left_behind']['reachable_tensors_mib']:,.0f}"
+            for r in left
+        ),
+    ]
+
+
 def memory_table(rows: list[dict[str, Any]]) -> list[str]:
     """One row per rung: plan, allocator, expandable segments."""
     lines = table_head(
@@ -947,7 +1162,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{env['accelerate']}; {kind}; {result['wall_s']:.0f} s in all",
         "",
     ]
-    lines += precision_table(result["precision"]) + memory_table(result["memory"])
+    lines += precision_table(result["precision"]) + left_behind_lines(result["precision"])
+    lines += profile_table(result["profile"]) if result.get("profile") else []
+    lines += memory_table(result["memory"])
     lines += trainer_table(result["trainer"]) + oom_table(result["oom"])
     if result["skipped"]:
         lines += ["", "Not run: " + "; ".join(result["skipped"])]
@@ -1005,11 +1222,14 @@ def prepare(directory: Path) -> int:
 
 
 def memory_child(name: str, work: Path, rungs: list[int], result: Path, dry_run: bool) -> int:
-    """`--memory-child`: measurements of `rungs` only (run with PYTORCH_CUDA_ALLOC_CONF set)."""
+    """`--memory-child`: `rungs` measured in a fresh process (the parent sets PYTORCH_CUDA_ALLOC_CONF)."""
     shape = shapes(dry_run)[name]
-    rows = [(x.split("\t")[0], int(x.split("\t")[1])) for x in (work / "train.tsv").read_text().splitlines()[1:]]
-    w = Workload(shape, work, work / "tokenizer", rows, work / "train.tsv", work / "fixed.tsv")  # the parent's files
-    result.write_text(json.dumps(finite(measure_rungs(w, rungs, None)), allow_nan=False))
+    data = [(x.split("\t")[0], int(x.split("\t")[1])) for x in (work / "train.tsv").read_text().splitlines()[1:]]
+    w = Workload(shape, work, work / "tokenizer", data, work / "train.tsv", work / "fixed.tsv")  # the parent's files
+    rows: list[dict[str, Any]] = []
+    for index in rungs:  # written after each rung: a parent's timeout keeps what was measured
+        rows += measure_rungs(w, [index], None)
+        result.write_text(json.dumps(finite(rows), allow_nan=False))
     return 0
 
 
@@ -1018,9 +1238,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="gpu_check.json/.md go here")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: the same code as a plumbing check")
     parser.add_argument("--models", nargs="+", default=None, help="minilm, qwen2.5-0.5b (default both)")
-    parser.add_argument("--sections", nargs="+", default=["precision", "memory", "trainer", "oom"])
     parser.add_argument(
-        "--budget-s", type=float, default=None, help="the whole run's cap, sections share it (GPU: 400; dry run: none)"
+        "--sections",
+        nargs="+",
+        default=["precision", "memory", "trainer", "oom"],
+        choices=SECTIONS,
+        help="profile runs with --profile whether named or not",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        help=f"precision rows to run (default all: {', '.join(map(slug, ALL_MODES))})",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="MODE",
+        default=None,
+        help="one short run of MODE per model under torch.profiler: top operations and host syncs per step, "
+        "written to profile-MODEL-MODE.md under --out",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the whole run's cap, shared by the selected sections and models (GPU: 400; dry run: none)",
     )
     parser.add_argument("--prepare", type=Path, metavar="DIR", help="download the GPU machine's missing wheels")
     parser.add_argument("--memory-child", nargs=4, metavar=("MODEL", "WORK", "RUNGS", "RESULT"), help=argparse.SUPPRESS)
@@ -1037,20 +1279,15 @@ def main(argv: list[str] | None = None) -> int:
     args.budget_s = args.budget_s or (math.inf if args.dry_run else 400.0)
     clock = Clock(args.budget_s)
     args.out.mkdir(parents=True, exist_ok=True)
-    # share of the budget per (section, model): the precision runs carry the speed numbers
-    caps = {
-        ("precision", "minilm"): 0.32,
-        ("precision", "qwen2.5-0.5b"): 0.18,
-        ("memory", "minilm"): 0.16,
-        ("memory", "qwen2.5-0.5b"): 0.1,
-        ("trainer", "minilm"): 0.08,
-        ("oom", "minilm"): 0.1,
-    }
+    if args.profile is not None and slug(args.profile) not in map(slug, ALL_MODES):
+        parser.error(f"--profile {args.profile}: one of {', '.join(map(slug, ALL_MODES))}")
+    sections = [*args.sections, *(["profile"] if args.profile else [])]
     result: dict[str, Any] = {
         "dry_run": args.dry_run,
         "environment": environment(),
         "peak_flops": PEAK_BF16_FLOPS,
         "precision": [],
+        "profile": [],
         "memory": [],
         "trainer": [],
         "oom": [],
@@ -1079,22 +1316,23 @@ def main(argv: list[str] | None = None) -> int:
         # what is alive now (torch, transformers, the tokenizers) lives to the end: later collections
         # (Trainer's and Accelerate's after every try of a batch size) need not walk it again
         gc.freeze()
-        for section in ("precision", "memory", "trainer", "oom"):
-            for name, w in loads.items():
-                share = caps.get((section, name))
-                if section not in args.sections or share is None:
-                    continue
-                clock.section(share * args.budget_s)
-                print(f"[gpu_check] {section} {name} ({time.perf_counter() - clock.start:.0f} s)", flush=True)
-                if section == "precision":
-                    precision_section(w, clock, args.dry_run, result["precision"], emit)
-                elif section == "memory":
-                    result["memory"] += memory_section(w, clock, args.out)
-                elif section == "trainer":
-                    result["trainer"] += trainer_section(w, result["precision"], clock)
-                else:
-                    result["oom"] += oom_section(w, clock)
-                emit()
+        pairs = planned_pairs(sections, list(loads))
+        for i, (section, name, share) in enumerate(pairs):
+            w = loads[name]
+            clock.section(pair_cap(share, sum(p[2] for p in pairs[i:]), clock.total_left()))
+            print(f"[gpu_check] {section} {name} ({time.perf_counter() - clock.start:.0f} s)", flush=True)
+            if section == "precision":
+                modes = chosen_modes(w.shape.modes, args.modes)
+                precision_section(w, modes, clock, args.dry_run, result["precision"], emit)
+            elif section == "profile":
+                result["profile"].append(profile_run(w, args.profile, clock, args.dry_run, args.out))
+            elif section == "memory":
+                result["memory"] += memory_section(w, clock, args.out, args.dry_run)
+            elif section == "trainer":
+                result["trainer"] += trainer_section(w, result["precision"], clock)
+            else:
+                result["oom"] += oom_section(w, clock)
+            emit()
     emit()
     print(markdown(result))
     return 0

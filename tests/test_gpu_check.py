@@ -32,8 +32,11 @@ def load_script() -> ModuleType:
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, ModuleType]:
     gpu_check = load_script()
     out = tmp_path_factory.mktemp("gpu_check")
-    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
-    return json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text(), gpu_check
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--profile", "bf16"]) == 0
+    result = json.loads((out / "gpu_check.json").read_text())
+    for row in result["profile"]:  # the profile's tables lie beside the JSON; keep their text with the row
+        row["text"] = (out / row["file"]).read_text() if "file" in row else None
+    return result, (out / "gpu_check.md").read_text(), gpu_check
 
 
 def positive(x: Any) -> bool:
@@ -122,3 +125,42 @@ def test_memory_child_measures_the_rungs_it_is_given(tmp_path: Path) -> None:
     assert gpu_check.main(["--dry-run", "--memory-child", "minilm", str(w.work), "0", str(result)]) == 0
     (row,) = json.loads(result.read_text())
     assert row["rung"] == "fp32, micro 32" and positive(row["measured_mib"]) and "error" not in row
+
+
+@pytest.mark.slow
+def test_profile_counts_host_syncs_and_writes_the_top_operations(
+    dry_run: tuple[dict[str, Any], str, ModuleType],
+) -> None:
+    result, md, _ = dry_run
+    assert [(r["model"], r["mode"]) for r in result["profile"]] == [("minilm", "bf16"), ("qwen2.5-0.5b", "bf16")]
+    for r in result["profile"]:
+        assert "error" not in r and "skipped" not in r, r
+        # 4 steps: 3 of warm-up, one profiled; its log row reads the loss back at least once
+        assert r["steps_profiled"] == 1 and r["host_reads_per_step"] >= 1 and r["cuda_sync_warnings_per_step"] is None
+        assert "Top operations by self CPU time" in r["text"] and "aten::" in r["text"]
+        assert f"| {r['model']} | bf16 | 1 | {r['host_reads_per_step']:.2f} |" in md
+
+
+def test_selected_sections_and_models_share_the_whole_budget() -> None:
+    gpu_check = load_script()
+    (only,) = gpu_check.planned_pairs(["memory"], ["qwen2.5-0.5b"])
+    assert only[:2] == ("memory", "qwen2.5-0.5b") and gpu_check.pair_cap(only[2], only[2], 130.0) == 130.0
+    pairs = gpu_check.planned_pairs(["precision", "memory", "profile"], ["minilm", "qwen2.5-0.5b"])
+    assert [p[:2] for p in pairs][:3] == [("precision", "minilm"), ("precision", "qwen2.5-0.5b"), ("profile", "minilm")]
+    shares = [p[2] for p in pairs]
+    caps, left = [], 600.0
+    for i, share in enumerate(shares):  # every pair uses its whole cap: the caps add up to the budget
+        caps.append(gpu_check.pair_cap(share, sum(shares[i:]), left))
+        left -= caps[-1]
+    assert sum(caps) == pytest.approx(600.0) and caps[0] / caps[-1] == pytest.approx(shares[0] / shares[-1])
+    # a pair that finishes early hands its time on: the next one gets its share of all that is left
+    assert gpu_check.pair_cap(shares[1], sum(shares[1:]), 600.0) == pytest.approx(600.0 * shares[1] / sum(shares[1:]))
+
+
+def test_modes_pick_precision_rows_and_skipped_rows_come_first() -> None:
+    gpu_check = load_script()
+    assert gpu_check.chosen_modes(gpu_check.ALL_MODES, ["bf16-compile", "fp32"]) == ("fp32", "bf16 compile")
+    assert gpu_check.chosen_modes(gpu_check.ALL_MODES, None) == gpu_check.ALL_MODES
+    # the first GPU run skipped fp16 and bf16-true on MiniLM, fp32, fp16 and compile on Qwen for time
+    assert gpu_check.ALL_MODES[:2] == ("fp16", "bf16-true")
+    assert set(gpu_check.QWEN_MODES[:3]) == {"fp16", "fp32", "bf16 compile"}
