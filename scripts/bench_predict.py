@@ -11,6 +11,7 @@ threads (OMP_NUM_THREADS and torch.set_num_threads; ONNX Runtime's from torch).
 
     flock /tmp/cpu.lock .venv/bin/python scripts/bench_predict.py --model RUN/final [--texts 50000] \\
         [--small 5000] [--threads 2] [--batch-size 64] [--work /tmp/bench_predict] [--out bench_predict.json]
+    .venv/bin/python scripts/bench_predict.py --model RUN/final --quantize-settings   # int8 settings' dev accuracy
 
 Prints a markdown table and writes JSON to --out.
 """
@@ -88,6 +89,45 @@ def labels_of(out: Path) -> list[str]:
     return [json.loads(x)["label"] for x in out.read_text().splitlines()]
 
 
+QUANTIZE_SETTINGS = {
+    "per-tensor": {},
+    "per-channel": {"per_channel": True},
+    "reduce_range": {"reduce_range": True},
+    "per-channel + reduce_range": {"per_channel": True, "reduce_range": True},
+}
+
+
+def quantize_settings(fp32: Path, work: Path, dev: list[str], gold: list[str], threads: int) -> dict[str, float]:
+    """SST-2 dev accuracy of fp32 and of `quantize_dynamic` (QInt8 weights) under each of QUANTIZE_SETTINGS, in
+    this process, through finetune.predict's ONNX Runtime path."""
+    import shutil
+
+    import numpy as np
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from transformers import AutoTokenizer
+
+    from finetune.predict import OnnxClassifier, model_logits
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(fp32)
+    y = np.asarray([{"negative": 0, "positive": 1}[g] for g in gold])
+
+    def accuracy(directory: Path) -> float:
+        logits = model_logits(tok, OnnxClassifier(directory), dev, on_texts=lambda n: None)
+        return float((logits.argmax(1) == y).mean())
+
+    out = {"fp32": accuracy(fp32)}
+    for name, kwargs in QUANTIZE_SETTINGS.items():
+        d = work / f"quantize-{name.replace(' ', '')}"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(fp32, d, ignore=shutil.ignore_patterns("model.onnx*"))
+        quantize_dynamic(fp32 / "model.onnx", d / "model.onnx", weight_type=QuantType.QInt8, **kwargs)
+        out[name] = accuracy(d)
+        print(f"int8 {name}: SST-2 dev accuracy {out[name]:.4f} (fp32 {out['fp32']:.4f})", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True, help="a run's final/ (the demo: runs/sst2-minilm/final)")
@@ -100,6 +140,9 @@ def main() -> None:
         "--methods", default="pytorch,onnx-fp32,onnx-int8,pipeline", help="also pytorch-w2 (--workers 2)"
     )
     parser.add_argument("--out", default="bench_predict.json")
+    parser.add_argument(
+        "--quantize-settings", action="store_true", help="only: dev accuracy of four int8 settings of the fp32 export"
+    )
     args = parser.parse_args()
 
     data = Path(os.environ.get("FINETUNE_DATA_DIR") or ROOT.parent / "shared" / "data") / "sst2"
@@ -116,6 +159,13 @@ def main() -> None:
     final = Path(args.model).resolve()
     models = {"pytorch": final, "onnx-fp32": work / "onnx-fp32", "onnx-int8": work / "onnx-int8"}
     methods = args.methods.split(",")
+    if args.quantize_settings:
+        if not (models["onnx-fp32"] / "model.onnx").is_file():
+            child([str(FINETUNE), "export", "--onnx", str(final), str(models["onnx-fp32"]), "--force"], args.threads)
+        dev = [r[0] for r in dev_rows]
+        result = quantize_settings(models["onnx-fp32"], work, dev, gold, args.threads)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "quantize_settings": result}, indent=2))
+        return
     for name, extra in (("onnx-fp32", []), ("onnx-int8", ["--quantize", "int8"])):
         if name in methods and not (models[name] / "model.onnx").is_file():
             child([str(FINETUNE), "export", "--onnx", str(final), str(models[name]), "--force", *extra], args.threads)
