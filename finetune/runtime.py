@@ -306,7 +306,6 @@ def watch_other_ranks() -> None:
             while not _stop_watching.wait(FAILURE_POLL_S):
                 store = _rank_store()
                 if store is None:  # the process group is gone: the run is over
-                    held.set(f"{DONE_KEY}{rank}", "1")
                     return
                 try:
                     failed = store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
@@ -315,13 +314,18 @@ def watch_other_ranks() -> None:
                         _flush_and_exit(int(failed.split("\t")[1]))
                     _watch_peers(store, rank, peers)
                 except Exception:  # noqa: BLE001 - the store is gone: its host (the main node) or the launcher
-                    if rank != 0 and not _stop_watching.is_set() and _rank_store() is not None:
+                    # a main node that ended normally goes too: lost only if this rank still runs after a grace
+                    if rank != 0 and not _stop_watching.wait(STORE_GRACE_S) and _rank_store() is not None:
                         _end_for_lost([0], "its store stopped answering", None)
                     return
                 del store
         except Exception:  # noqa: BLE001 - the launcher is ending the job
             return
         finally:
+            try:  # ended normally (the group destroyed, or the interpreter exiting): not a lost rank
+                held.set(f"{DONE_KEY}{rank}", "1")
+            except Exception:  # noqa: BLE001 - the store went first
+                pass
             del held
 
     _stop_watching.clear()
@@ -342,6 +346,7 @@ BEAT_KEY = "finetune/beat/"  # + rank: a counter each rank adds to every BEAT_S
 DONE_KEY = "finetune/done/"  # + rank: set when its process group ended normally
 BEAT_S = 1.0
 PEER_TIMEOUT_S = 30.0  # no beat for this long: the rank is lost (the main process checks every rank)
+STORE_GRACE_S = 3.0  # a rank other than 0 whose store stops answering: still running after this, the main node is lost
 LOST_SAMPLE_S = 2.5  # after a failed collective: ranks whose beat did not move in this time are the lost ones
 COLLECTIVE_TIMEOUT_S = 1800  # gloo's default; NCCL's is 10 minutes (the launcher's kill came first)
 _peer_lost_line: Callable[[list[int], str], str] | None = None
