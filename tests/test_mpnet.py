@@ -519,3 +519,25 @@ def test_init_with_mpnet_writes_its_recipe_and_the_file_trains(
     run = tmp_path / "run"
     assert main(["--config", str(out), f"run.output_dir={run}", "train.max_steps=1", "run.num_threads=1"]) == 0
     assert (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_packed_mpnet_run_ends_with_the_unpacked_weights(mpnet_tok: Path, tmp_path: Path) -> None:
+    """Dropout 0: packing changes only the layout, so the same gradients and the same final weights."""
+    from safetensors.torch import load_file
+
+    from finetune.train import main
+
+    weights = {}
+    for packing in (False, True):
+        over = {"data.packing": packing, "data.group_by_length": False, "data.max_train_samples": 48}
+        assert main(["--config", str(mpnet_config(tmp_path / f"p{packing}", mpnet_tok, **over))]) == 0
+        weights[packing] = load_file(str(tmp_path / f"p{packing}" / "run" / "final" / "model.safetensors"))
+    w0, w1 = weights[False], weights[True]
+    assert w0.keys() == w1.keys()
+    assert max((w0[k] - w1[k]).abs().max().item() for k in w0) <= 1e-5
+    losses = []
+    for packing in (False, True):
+        rows = map(json.loads, (tmp_path / f"p{packing}" / "run" / "metrics.jsonl").read_text().splitlines())
+        losses.append([r["loss"] for r in rows if "loss" in r])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5) and len(losses[0]) == 2
