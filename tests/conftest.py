@@ -69,6 +69,20 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[last] = value
 
 
+# A tiny run of any model family: 32 training rows, 2 optimizer steps of 8, a checkpoint at the end (the family's
+# tokenizer and architecture added by the test)
+TINY_FAMILY_RUN: dict[str, Any] = {
+    "data.max_length": 32,
+    "data.max_train_samples": 32,
+    "data.max_eval_samples": 16,
+    "train.micro_batch_size": 8,
+    "train.gradient_accumulation_steps": 2,
+    "train.max_steps": 2,
+    "train.log_every_steps": 1,
+    "checkpoint.every_steps": 2,
+}
+
+
 def write_tiny_config(directory: Path, updates: dict[str, Any] | None = None, name: str = "tiny.yaml") -> Path:
     """configs/tiny-debug.yaml with `run.output_dir=<directory>/run` and dotted `updates`, written to directory/name.
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import write_tiny_config
+from conftest import TINY_FAMILY_RUN, write_tiny_config
 from safetensors.torch import load_file
 
 from finetune import checkpoint as ckpt
@@ -156,14 +156,7 @@ def family_config(directory: Path, family: str, tokenizers: dict[str, Path], **u
     base = {
         "model.tokenizer": str(tokenizers[kind]),
         "model.architecture": {"model_type": family, **arch},
-        "data.max_length": 32,
-        "data.max_train_samples": 32,
-        "data.max_eval_samples": 16,
-        "train.micro_batch_size": 8,
-        "train.gradient_accumulation_steps": 2,
-        "train.max_steps": 2,
-        "train.log_every_steps": 1,
-        "checkpoint.every_steps": 2,
+        **TINY_FAMILY_RUN,
     }
     return write_tiny_config(directory, {**base, **updates})
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CONFIGS, TINY, write_tiny_config
+from conftest import CONFIGS, TINY, TINY_FAMILY_RUN, write_tiny_config
 
 from finetune import sources
 from finetune.errors import UserError
@@ -219,18 +219,7 @@ def mpnet_tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mpnet_config(directory: Path, tok: Path, **updates: Any) -> Path:
     """A tiny MPNet run: 32 training rows, 2 optimizer steps of 8, a checkpoint at the end."""
     directory.mkdir(parents=True, exist_ok=True)
-    base = {
-        "model.tokenizer": str(tok),
-        "model.architecture": MPNET,
-        "data.max_length": 32,
-        "data.max_train_samples": 32,
-        "data.max_eval_samples": 16,
-        "train.micro_batch_size": 8,
-        "train.gradient_accumulation_steps": 2,
-        "train.max_steps": 2,
-        "train.log_every_steps": 1,
-        "checkpoint.every_steps": 2,
-    }
+    base = {"model.tokenizer": str(tok), "model.architecture": MPNET, **TINY_FAMILY_RUN}
     return write_tiny_config(directory, {**base, **updates})
 
 
