@@ -42,30 +42,22 @@ def _offline(variable: str, *modes: str) -> bool:
     return os.environ.get(variable, "").lower() in modes
 
 
+# tracker -> (the variable that makes it log locally, its values that do, the server's variable, its default)
+_SERVERS: dict[str, tuple[str, tuple[str, ...], str, str | None]] = {
+    "wandb": ("WANDB_MODE", ("offline", "disabled", "dryrun"), "WANDB_BASE_URL", "https://api.wandb.ai"),
+    "comet_ml": ("COMET_OFFLINE", ("1", "true"), "COMET_URL_OVERRIDE", "https://www.comet.com"),
+    "clearml": ("CLEARML_OFFLINE_MODE", ("1", "true"), "CLEARML_API_HOST", None),
+    "swanlab": ("SWANLAB_MODE", ("local", "offline", "disabled"), "SWANLAB_API_HOST", "https://api.swanlab.cn"),
+}
+
+
 def tracker_uri(name: str) -> str | None:
     """The server a tracker talks to, from its own environment variables; None when it logs locally."""
     if name == "mlflow":
         return _mlflow_uri()
-    if name == "wandb":
-        return (
-            None
-            if _offline("WANDB_MODE", "offline", "disabled", "dryrun")
-            else os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-        )
-    if name == "comet_ml":
-        return (
-            None
-            if _offline("COMET_OFFLINE", "1", "true")
-            else os.environ.get("COMET_URL_OVERRIDE", "https://www.comet.com")
-        )
-    if name == "clearml":
-        return None if _offline("CLEARML_OFFLINE_MODE", "1", "true") else os.environ.get("CLEARML_API_HOST")
-    if name == "swanlab":
-        return (
-            None
-            if _offline("SWANLAB_MODE", "local", "offline", "disabled")
-            else os.environ.get("SWANLAB_API_HOST", "https://api.swanlab.cn")
-        )
+    if name in _SERVERS:
+        offline, modes, variable, default = _SERVERS[name]
+        return None if _offline(offline, *modes) else os.environ.get(variable, default)
     if name == "aim":
         repo = os.environ.get("AIM_REPO", "")
         return repo if repo.startswith("aim://") else None
