@@ -75,6 +75,7 @@ class TrainingProgress:
     eval: dict[str, Any] = field(default_factory=dict)  # the last evaluation
     log_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
     data_sha256: dict[str, str] = field(default_factory=dict)
+    seconds_trained: float = 0.0  # the training loop's wall time so far, over every resume (train.max_minutes)
 
     def to_json(self) -> str:
         """progress.json text."""

@@ -419,6 +419,15 @@ class TrainConfig(_Section):
     early_stopping_patience: PositiveInt | None = Field(
         None, description="stop after this many evaluations without improving checkpoint.best_metric"
     )
+    max_minutes: PositiveFloat | None = Field(
+        None,
+        description="wall-time budget of the training loop in minutes (its evaluations and checkpoints included, "
+        "kept across resumes): the run ends cleanly at the first optimizer step past it, every process at the "
+        "same step, with the best checkpoint as final/ (needs validation, train.eval_every_steps and "
+        "checkpoint.export=best)",
+        # how long a run may take, not what a step computes: a resumed run may get more (or less) time
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
     layer_lr_decay: float = Field(
         1.0,
         gt=0.0,
@@ -733,6 +742,17 @@ class Config(_Section):
                 close = difflib.get_close_matches(key, _settable_keys(), n=1, cutoff=0.6)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ValueError(f"sweep.space: {key} is not a config key that a trial can set{hint}")
+        return self
+
+    @model_validator(mode="after")
+    def _budget(self) -> Config:
+        # the budget ends the run wherever it is: final/ must be the best weights seen, so something must rank them
+        d, why = self.data, "train.max_minutes ends the run with the best checkpoint as final/"
+        validation = d.validation_file or d.validation_split or (d.hub_dataset and d.hub_validation_split)
+        if self.train.max_minutes and not validation:
+            raise ValueError(f"{why}: give validation data (data.validation_file or data.validation_split)")
+        if self.train.max_minutes and (self.train.eval_every_steps is None or self.checkpoint.export != "best"):
+            raise ValueError(f"{why}: set train.eval_every_steps, checkpoint.every_steps and checkpoint.export=best")
         return self
 
     @model_validator(mode="after")

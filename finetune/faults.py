@@ -15,6 +15,7 @@ with it set says so loudly in its log (`announce`). The training loop calls it a
     oom_in_step:N         raise torch.OutOfMemoryError once, inside optimizer step N
     oom_in_eval:N         raise torch.OutOfMemoryError once, in the first evaluation batch after step N
     nonfinite_at_step:N   make the losses of the window of step N infinite
+    clock_step_seconds:N  the time budget's clock (budget.py) advances N seconds an optimizer step, not in real time
 
 `kind:N@R` limits a fault to the process of rank R (RANK, set by the launcher): one rank of several
 failing alone is what leaves the others waiting in a collective.
@@ -70,6 +71,16 @@ def at(kind: str, value: int) -> bool:
         if name == kind and n.strip().isdigit() and int(n) == value:
             return True
     return False
+
+
+def value(kind: str) -> int | None:
+    """N of the active `kind:N` (on this rank, for `kind:N@R`); None when it is not asked for."""
+    for item in spec().split(","):
+        name, _, where = item.strip().partition(":")
+        n, _, rank = where.partition("@")
+        if name == kind and n.strip().isdigit() and (not rank.strip() or rank.strip() == os.environ.get("RANK", "0")):
+            return int(n)
+    return None
 
 
 def _once(kind: str, value: int) -> bool:

@@ -711,11 +711,18 @@ class PreemptionGuard:
 
     def requested(self, accelerator: Accelerator) -> str | None:
         """The signal to stop for, agreed by all processes (any rank signalled -> all stop at this step)."""
+        return self.agree(accelerator)[0]
+
+    def agree(self, accelerator: Accelerator, out_of_time: bool = False) -> tuple[str | None, bool]:
+        """(the signal to stop for, whether the time budget is spent), agreed by all processes in one collective:
+        any rank signalled or out of time -> every rank stops at this step (the caller passes the main
+        process's budget decision, False elsewhere)."""
         if accelerator.num_processes == 1:
-            return self.signal_name
+            return self.signal_name, out_of_time
         code = {None: 0, "SIGINT": 1, "SIGTERM": 2}.get(self.signal_name, 2)
-        agreed = int(accelerator.reduce(torch.tensor(code, device=accelerator.device), "max").item())
-        return {0: None, 1: "SIGINT", 2: "SIGTERM"}[agreed]
+        flags = torch.tensor([code, int(out_of_time)], device=accelerator.device)
+        signal_code, budget = accelerator.reduce(flags, "max").tolist()
+        return {0: None, 1: "SIGINT", 2: "SIGTERM"}[int(signal_code)], bool(budget)
 
 
 def resume_hint(prog: str, config: str, overrides: list[str]) -> str:

@@ -45,6 +45,7 @@ from finetune.assemble import (
     step_bar,
     train_targets,
 )
+from finetune.budget import TimeBudget
 from finetune.calibrate import calibrate, fold_temperature, plot_reliability
 from finetune.card import write_model_card
 from finetune.checkpoint import TrainingProgress
@@ -161,6 +162,7 @@ class Run:
     fold_clip: bool = False
     outputs: dict[str, Outputs] = field(default_factory=dict)  # each split's latest evaluation, per text
     report: Callable[[int, dict[str, Any]], None] | None = None  # train()'s `report`
+    budget: TimeBudget = None  # type: ignore[assignment]  # train.max_minutes, its clock started with the loop
 
     @property
     def metrics_file(self) -> Path:
@@ -266,6 +268,7 @@ def train(
         run.memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
 
     model.train()
+    run.budget = TimeBudget(cfg.train.max_minutes, progress.seconds_trained, progress.step)
     try:
         while progress.step < total_steps and progress.epoch < num_epochs and not progress.finished:
             loader = epoch_loader(run, progress)
@@ -455,7 +458,7 @@ def recover_from_oom(run: Run, progress: TrainingProgress, loader: Any) -> None:
 
 
 def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
-    """What follows an optimizer step: log row, evaluation, checkpoint, preemption, early stopping.
+    """What follows an optimizer step: log row, evaluation, early stopping, time budget, checkpoint, preemption.
 
     Raises:
         Preempted: a signal asked to stop (after this step's checkpoint is on disk).
@@ -475,10 +478,16 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
             f"early stopping at step {step}: {cfg.checkpoint.best_metric} did not improve in {patience} evaluations"
         )
         progress.finished = True
+    progress.seconds_trained = run.budget.used(step)
+    # the main process's clock decides, carried by the stop agreement every step makes anyway
+    out_of_time = run.budget.spent(progress.seconds_trained) and run.accelerator.is_main_process
+    stop_signal, out_of_time = run.guard.agree(run.accelerator, out_of_time)
+    if out_of_time and not progress.finished:
+        logger.info(run.budget.line(step, progress.seconds_trained))
+        progress.finished = True
     saved = None
     if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < run.total_steps:
         saved = save(run, progress, sums)
-    stop_signal = run.guard.requested(run.accelerator)
     if stop_signal is not None:  # preemption: checkpoint this step, then exit 143 (SIGTERM) / 130 (SIGINT)
         run.bar.close()
         path = saved or save(run, progress, sums)  # not a second save of the same step inside the grace period

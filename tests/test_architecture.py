@@ -22,6 +22,7 @@ LAYERS = [
     "config_io",
     "config_docs",
     "faults",
+    "budget",
     "formats",
     "sources",
     "precision",

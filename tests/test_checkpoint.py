@@ -323,6 +323,7 @@ def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Pat
         "memory.record_history",
         "memory.breakdown",  # what the memory report measures, not what is trained
         "train.calibrate",  # applied to final/ at the end: the checkpoints hold the weights as trained
+        "train.max_minutes",  # how long a run may go on, not what a step computes: a resume may get more time
         "log.trackers",
         "model.head_init",
         "model.pooler_init",  # like head_init: a resumed run's weights come from the checkpoint

@@ -468,3 +468,40 @@ def test_resume_one_process_checkpoint_on_two_processes(
     last = _weights(run / "checkpoints" / "step_00000003" / "model.safetensors")
     diff = _max_diff(last, sgd_setup.steps[-1])
     assert diff <= sgd_setup.tolerance(), f"max abs weight difference {diff}"
+
+
+@pytest.mark.slow
+@needs_data
+def test_time_budget_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    """train.max_minutes under 2 processes: only rank 0's clock runs fast (the test-only clock, 30 s a step), so
+    rank 0 alone finds the budget spent at step 3; the per-step stop agreement carries its decision, and both
+    ranks end there with the best checkpoint as final/ (a rank that went on alone would wait in DDP's
+    all-reduce for ever)."""
+    run = tmp_path / "run"
+    proc = _launch_two(
+        ROOT / "configs" / "tiny-debug.yaml",
+        [
+            f"run.output_dir={run}",
+            "train.micro_batch_size=4",
+            "train.gradient_accumulation_steps=1",
+            "data.max_train_samples=64",
+            "data.max_eval_samples=32",
+            "train.eval_every_steps=1",
+            "checkpoint.every_steps=1",
+            "checkpoint.export=best",
+            "train.max_minutes=1.5",
+        ],
+        fault="clock_step_seconds:30@0",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("time budget of 1.5 minutes (train.max_minutes) spent at step 3") == 1, proc.stderr[-3000:]
+    from finetune import checkpoint as ckpt
+
+    last = ckpt.newest_valid_checkpoint(run)
+    progress = ckpt.read_progress(last)
+    assert (progress.step, progress.finished, progress.seconds_trained) == (3, True, 90.0)
+    # every rank saved the step-3 state: both reached it, and neither trained past it
+    assert sorted(p.name for p in last.glob("random_states_*.pkl")) == ["random_states_0.pkl", "random_states_1.pkl"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 3
+    assert json.loads((run / "eval.json").read_text())["exported"] == "best"
