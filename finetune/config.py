@@ -488,6 +488,13 @@ class PrecisionConfig(_Section):
         json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     deterministic: bool = Field(False, description="deterministic kernels (bitwise exact resume on CUDA; slower)")
+    cudnn_attention: bool = Field(
+        False,
+        description="let scaled-dot-product attention use cuDNN's fused kernel on CUDA; off: it builds an execution "
+        "graph for every new sequence length, and length-grouped batches bring many (flash and memory-efficient "
+        "kernels have no such cost); fp32 never uses it",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
 
 
 class CheckpointConfig(_Section):

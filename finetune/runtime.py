@@ -523,14 +523,17 @@ def apply_num_threads(setting: int | str) -> int:
     return threads
 
 
-def configure_determinism(enabled: bool) -> None:
-    """`precision.deterministic`: deterministic kernels, needed for bitwise exact resume on CUDA.
+def configure_kernels(deterministic: bool, cudnn_attention: bool = False) -> None:
+    """`precision.deterministic` and `precision.cudnn_attention`: the kernels CUDA may choose.
 
-    Sets CUBLAS_WORKSPACE_CONFIG (must happen before cuBLAS initialises) and
-    `torch.use_deterministic_algorithms(True)`; ops without a deterministic kernel then raise.
-    CPU fp32 training is deterministic without it.
+    deterministic: kernels needed for bitwise exact resume on CUDA. Sets CUBLAS_WORKSPACE_CONFIG
+    (must happen before cuBLAS initialises) and `torch.use_deterministic_algorithms(True)`; ops
+    without a deterministic kernel then raise. CPU fp32 training is deterministic without it.
+    cudnn_attention: whether SDPA may pick cuDNN's fused attention, which plans a graph per new
+    input shape; batches grouped by length bring a new shape every few steps.
     """
-    if not enabled:
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+    if not deterministic:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)

@@ -90,7 +90,7 @@ from finetune.runtime import (
     PreemptionGuard,
     apply_num_threads,
     build_accelerator,
-    configure_determinism,
+    configure_kernels,
     end_if_peer_lost,
     end_job,
     on_peer_lost,
@@ -189,7 +189,7 @@ def train(
     """
     guard = guard or PreemptionGuard()  # not installed: signals keep their handlers
     run_dir = ckpt.check_output_dir(cfg)
-    configure_determinism(cfg.precision.deterministic)  # before CUDA initialises
+    configure_kernels(cfg.precision.deterministic, cfg.precision.cudnn_attention)  # before CUDA initialises
     threads = apply_num_threads(cfg.run.num_threads)  # before the model is built
     accelerator = build_accelerator(cfg)
     setup_logging(accelerator, None)

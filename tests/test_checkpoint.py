@@ -291,17 +291,21 @@ def test_fault_spec_and_resume_hint(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hint == "finetune train --config c.yaml train.epochs=2 checkpoint.resume=auto"
 
 
-def test_configure_determinism(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_configure_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = torch.are_deterministic_algorithms_enabled()
-    runtime.configure_determinism(False)
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    runtime.configure_kernels(False)
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and torch.are_deterministic_algorithms_enabled() == before
+    # cuDNN attention plans a graph per new sequence length: off unless asked for
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
     try:
-        runtime.configure_determinism(True)
+        runtime.configure_kernels(True, cudnn_attention=True)
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
 
 
 def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Path) -> None:
@@ -330,6 +334,7 @@ def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Pat
         "data.data_dir",
         "data.num_workers",
         "precision.empty_cache",
+        "precision.cudnn_attention",
         "sweep.space",
         "sweep.random_trials",
         "sweep.startup_trials",
