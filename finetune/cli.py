@@ -284,12 +284,17 @@ def _cmd_init(argv: list[str]) -> int:
     parser.add_argument("-o", "--output", default=None, help="the config to write (default: <data name>.yaml)")
     parser.add_argument("--model", default="minilm-l6", help="model directory, alias or hub id (default minilm-l6)")
     parser.add_argument("--force", action="store_true", help="replace an existing output file")
+    parser.add_argument(
+        "--no-budget",
+        action="store_true",
+        help="write no time budget (train.max_minutes), so no training step is timed on this machine",
+    )
     args = parser.parse_args(argv)
     from finetune.scaffold import init_config
 
     data = Path(args.data)
     out = Path(args.output or f"{data.resolve().stem if data.is_file() else data.resolve().name}.yaml")
-    for note in init_config(data, out, args.model, args.force):
+    for note in init_config(data, out, args.model, args.force, budget=not args.no_budget):
         print(f"  {note}", file=sys.stderr)
     print(f"wrote {out}; train with: finetune train --config {out}", file=sys.stderr)
     return 0

@@ -421,12 +421,10 @@ class TrainConfig(_Section):
     )
     max_minutes: PositiveFloat | None = Field(
         None,
-        description="wall-time budget of the training loop in minutes (its evaluations and checkpoints included, "
-        "kept across resumes): the run ends cleanly at the first optimizer step past it, every process at the "
-        "same step, with the best checkpoint as final/ (needs validation, train.eval_every_steps and "
-        "checkpoint.export=best)",
-        # how long a run may take, not what a step computes: a resumed run may get more (or less) time
-        json_schema_extra=MAY_CHANGE_ON_RESUME,
+        description="wall-time budget of the training loop in minutes (evaluations included, kept across resumes): "
+        "the run ends at the first step past it, every process at the same step, with the best checkpoint as "
+        "final/ (needs validation, train.eval_every_steps and checkpoint.export=best)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,  # how long a run may take, not what a step computes
     )
     layer_lr_decay: float = Field(
         1.0,
@@ -752,17 +750,6 @@ class Config(_Section):
         return self
 
     @model_validator(mode="after")
-    def _budget(self) -> Config:
-        # the budget ends the run wherever it is: final/ must be the best weights seen, so something must rank them
-        d, why = self.data, "train.max_minutes ends the run with the best checkpoint as final/"
-        validation = d.validation_file or d.validation_split or (d.hub_dataset and d.hub_validation_split)
-        if self.train.max_minutes and not validation:
-            raise ValueError(f"{why}: give validation data (data.validation_file or data.validation_split)")
-        if self.train.max_minutes and (self.train.eval_every_steps is None or self.checkpoint.export != "best"):
-            raise ValueError(f"{why}: set train.eval_every_steps, checkpoint.every_steps and checkpoint.export=best")
-        return self
-
-    @model_validator(mode="after")
     def _packing(self) -> Config:
         if self.data.packing and self.model.compile:
             # a packed batch's rows and capacity change every step; the pooling hook is per batch
@@ -779,6 +766,13 @@ class Config(_Section):
                 "train.reinit_top_layers re-draws layers of a pretrained model; model.architecture "
                 "builds every layer fresh already"
             )
+        # a time budget ends the run wherever it is: final/ must be the best weights seen, so something must rank them
+        d, why = self.data, "train.max_minutes ends the run with the best checkpoint as final/"
+        validation = d.validation_file or d.validation_split or (d.hub_dataset and d.hub_validation_split)
+        if self.train.max_minutes and not validation:
+            raise ValueError(f"{why}: give validation data (data.validation_file or data.validation_split)")
+        if self.train.max_minutes and (self.train.eval_every_steps is None or self.checkpoint.export != "best"):
+            raise ValueError(f"{why}: set train.eval_every_steps, checkpoint.every_steps and checkpoint.export=best")
         return self
 
     def resolved_path(self, path: str | None) -> Path | None:

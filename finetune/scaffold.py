@@ -15,6 +15,7 @@ import json
 import math
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from finetune.config import TrainConfig
 from finetune.config_io import load_config, validate_config
 from finetune.errors import UserError
 from finetune.formats import check_format
-from finetune.model import build_tokenizer, row_limit
+from finetune.model import build_tokenizer, model_config, row_limit
+from finetune.recipe import MODEL_RECIPES, Shape, adaptive, micro_batch, parameter_count, recipe, step_seconds
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "score", "quality", "sentiment", "intent")
@@ -64,22 +66,6 @@ COLUMN_NAMES = {
 }
 DELIMITERS = (",", ";", "|")  # how multi-label cells join their labels
 FLAGS = {"0", "1", "0.0", "1.0", "true", "false"}  # the values of a 0/1 column, as data.py reads them
-
-# The training recipe per problem type: train.* keys, and the epochs by training rows (the first bound
-# the row count is below). Single-label: what `finetune init` has always written; multi-label and
-# regression anchored on configs/goemotions-minilm.yaml (43,410 rows: 2 epochs beat 1 by 5 points of test
-# macro-F1) and configs/stsb-minilm.yaml (5,749 rows: 3 epochs beat 2), both with model.head_init=prior
-# (docs/BENCHMARKS.md, scripts/bench_quality.py); other sizes as single-label, not measured.
-RECIPES: dict[str, dict[str, Any]] = {
-    SINGLE: {"learning_rate": 1e-4, "warmup_ratio": 0.06, "epochs": ((1_000, 10), (5_000, 5), (20_000, 3), (None, 2))},
-    MULTI: {"learning_rate": 1e-4, "warmup_ratio": 0.06, "epochs": ((1_000, 10), (5_000, 5), (20_000, 3), (None, 2))},
-    REGRESSION: {"learning_rate": 1e-4, "warmup_ratio": 0.1, "epochs": ((1_000, 10), (5_000, 5), (None, 3))},
-}
-
-# Per-model changes to that recipe. all-mpnet-base-v2 (12 layers of 768, about 6 times MiniLM's work a row):
-# the sentence-transformers fine-tuning rate, at most 3 epochs, and micro-batches of at most 4,096 tokens
-# (the planner: 4.8 GiB of tensors at 32 x 128 in fp32), accumulated back to an effective batch of 32.
-MODEL_RECIPES: dict[str, dict[str, Any]] = {"mpnet-base": {"learning_rate": 2e-5, "max_epochs": 3, "tokens": 4096}}
 
 
 @dataclass
@@ -516,36 +502,18 @@ def _split_files(folder: Path) -> dict[str, Path]:
     return found
 
 
-def recipe(problem_type: str, n_train: int, model: str = "minilm-l6") -> dict[str, Any]:
-    """train.* keys for `problem_type` and `n_train` training rows, from RECIPES: fewer rows, more passes;
-    `model`'s MODEL_RECIPES entry changes the learning rate and caps the epochs."""
-    r = RECIPES[problem_type]
-    epochs = next(e for bound, e in r["epochs"] if bound is None or n_train < bound)
-    own = MODEL_RECIPES.get(model, {})
-    rate = own.get("learning_rate", r["learning_rate"])
-    epochs = min(epochs, own.get("max_epochs", epochs))
-    return {"epochs": epochs, **{k: v for k, v in r.items() if k != "epochs"}, "learning_rate": rate}
-
-
-def micro_batch(model: str, max_length: int) -> tuple[int, int]:
-    """(micro-batch, accumulation): 32 rows, 16 above 256 tokens a row; where `model` has a token budget
-    (MODEL_RECIPES), halved until within it and accumulated back to an effective batch of 32."""
-    micro = 16 if max_length > 256 else 32
-    tokens = MODEL_RECIPES.get(model, {}).get("tokens")
-    if not tokens:
-        return micro, 1
-    micro = 32
-    while micro > 1 and micro * max_length > tokens:
-        micro //= 2
-    return micro, 32 // micro
-
-
 def _yaml(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
 def render(
-    model: str, out_name: str, data: dict[str, Any], train: dict[str, Any], notes: list[str], problem_type: str | None
+    model: str,
+    out_name: str,
+    data: dict[str, Any],
+    train: dict[str, Any],
+    notes: list[str],
+    problem_type: str | None,
+    checkpoint: dict[str, Any] | None = None,
 ) -> str:
     """The config text: launch line, schema modeline, the reasons as comments, then the sections."""
     lines = [
@@ -560,6 +528,9 @@ def render(
     lines += [f"  {k}: {_yaml(v)}" for k, v in data.items()]
     lines.append("train:")
     lines += [f"  {k}: {_yaml(v)}" for k, v in train.items()]
+    if checkpoint:
+        lines.append("checkpoint:")
+        lines += [f"  {k}: {_yaml(v)}" for k, v in checkpoint.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -661,7 +632,10 @@ def _max_length(s: Sniffed, data: dict[str, Any], tok: Any, limit: int | None) -
     p99 = lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
     wanted = max(32, 16 * math.ceil(p99 / 16))
     cap = min(512, limit or 512)
-    note = f"max_length {min(wanted, cap)}: the 99th percentile of {len(lengths)} texts is {p99} tokens"
+    what = "pairs (both texts together)" if pairs else "texts"
+    note = f"max_length {min(wanted, cap)}: the 99th percentile of {len(lengths)} {what} is {p99} tokens"
+    if pairs:  # the tokenizer's longest_first truncation: the longer text gives up tokens until the pair fits
+        note += "; a longer pair loses tokens from its longer text first, so neither text is cut away"
     if wanted > cap:
         why = (
             "the model's position limit"
@@ -676,8 +650,82 @@ def _max_length(s: Sniffed, data: dict[str, Any], tok: Any, limit: int | None) -
 KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
 
 
-def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: bool = False) -> list[str]:
-    """Write a config for `data_path` to `out`; return the notes printed to the user.
+def count_rows(path: Path, fmt: str, sampled: int) -> int:
+    """The rows of a train or validation file (init reads a sample of records; this counts them all)."""
+    try:
+        if fmt == "jsonl":
+            with path.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return int(pq.ParquetFile(path).metadata.num_rows)
+        if fmt == "json":
+            return len(json.loads(path.read_text(encoding="utf-8")))
+        if fmt in ("csv", "tsv"):
+            with path.open("rb") as f:
+                return max(0, sum(1 for line in f if line.strip()) - 1)  # a header line; quoted newlines overcount
+    except (OSError, ValueError):
+        pass
+    return sampled
+
+
+def _class_rows(s: Sniffed, data: dict[str, Any], rows: int) -> dict[str, int]:
+    """Rows per label over the whole train file (the sample's counts scaled to `rows`)."""
+    values = s.columns.get(data.get("label_column", "label"), [])
+    counts = Counter(str(v) for v in values)
+    scale = rows / max(1, len(values))
+    return {k: max(1, round(v * scale)) for k, v in counts.items()}
+
+
+def _shape(s: Sniffed, data: dict[str, Any], splits: dict[str, Path], model: str, batch: int) -> Shape:
+    """The data's shape as the recipe sees it: rows, rows a class, pair, validation rows, the model's size."""
+    sampled = len(next(iter(s.columns.values())))
+    rows = count_rows(splits["train"], s.format, sampled) if "train" in splits else sampled
+    validation = splits.get("validation")
+    return Shape(
+        rows=rows,
+        class_rows=_class_rows(s, data, rows),
+        pair="text_pair_column" in data,
+        validation=count_rows(validation, validation.suffix.lstrip(".").lower(), 1) if validation else 0,
+        batch=batch,
+        model=model,
+    )
+
+
+def _train_keys(
+    problem_type: str, shape: Shape, model: str, micro: int, accumulation: int, notes: list[str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(train, data, checkpoint) keys of the recipe, its reasons appended to `notes`: single-label adaptive
+    (recipe.adaptive), multi-label and regression from their tables."""
+    train: dict[str, Any] = {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation}
+    if problem_type == SINGLE:
+        r = adaptive(shape)
+        notes += r.notes
+        return train | r.train, r.data, r.checkpoint
+    r2 = recipe(problem_type, shape.rows, model)
+    own = MODEL_RECIPES.get(model)
+    notes.append(
+        f"{shape.rows} training rows: the {KINDS[problem_type]} recipe for that size (recipe.RECIPES"
+        + (f"; {model}: its own rate, at most {own['max_epochs']} epochs" if own else "")
+        + "): "
+        + ", ".join(f"{k} {v:g}" for k, v in r2.items())
+    )
+    data = {} if shape.validation else {"validation_split": 0.1}
+    if not shape.validation:
+        notes.append("no validation file: 10% of train held out (data.validation_split)")
+    return (
+        {"epochs": r2["epochs"], **train, **{k: v for k, v in r2.items() if k != "epochs"}} | {"eval_every_steps": 200},
+        data,
+        {},
+    )
+
+
+def init_config(
+    data_path: Path, out: Path, model: str = "minilm-l6", force: bool = False, budget: bool = True
+) -> list[str]:
+    """Write a config for `data_path` to `out`; return the notes printed to the user. With `budget`, a
+    training step of the model is timed here and single-label data gets a time budget from it.
 
     Raises:
         UserError: unreadable or ambiguous data, or `out` exists without `force`.
@@ -689,29 +737,18 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
         raise UserError(f"{data_path} does not exist")
     s, data, splits = sniff_data(data_path)
     problem_type = data.pop("problem_type", SINGLE)
-    if "validation" not in splits:
-        data["validation_split"] = 0.1
-        s.notes.append("no validation file: 10% of train held out (data.validation_split)")
     cfg = load_config_for_tokenizer(model)
     tok = build_tokenizer(cfg)
     data["max_length"] = _max_length(s, data, tok, row_limit(cfg, tok))
-    n_train = len(next(iter(s.columns.values())))
-    r = recipe(problem_type, n_train, model)
     micro, accumulation = micro_batch(model, data["max_length"])
-    train = {
-        "epochs": r["epochs"],
-        "micro_batch_size": micro,
-        "gradient_accumulation_steps": accumulation,
-        **{k: v for k, v in r.items() if k != "epochs"},
-        "eval_every_steps": 200,
-    }
+    shape = _shape(s, data, splits, model, micro * accumulation)
+    shape.parameters = parameter_count(model_config(cfg, tok)[0])
+    if budget and problem_type == SINGLE:
+        cfg.data.max_length = data["max_length"]
+        shape.step_seconds = step_seconds(cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation)
+    train, more_data, checkpoint = _train_keys(problem_type, shape, model, micro, accumulation, s.notes)
+    data |= more_data
     own = MODEL_RECIPES.get(model)
-    s.notes.append(
-        f"{n_train} training rows read: the {KINDS[problem_type]} recipe for that size (scaffold.recipe"
-        + (f"; {model}: its own rate, at most {own['max_epochs']} epochs" if own else "")
-        + "): "
-        + ", ".join(f"{k} {v:g}" for k, v in r.items())
-    )
     if micro != 32 and own:
         s.notes.append(
             f"micro_batch_size {micro} x gradient_accumulation_steps {accumulation}: at most {own['tokens']:,} "
@@ -722,7 +759,8 @@ def init_config(data_path: Path, out: Path, model: str = "minilm-l6", force: boo
     # keys at the schema's default are said in the notes above, not written
     train = {k: v for k, v in train.items() if v != TrainConfig.model_fields[k].default}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(model, str(out), data, train, s.notes, problem_type if problem_type != SINGLE else None))
+    kind = problem_type if problem_type != SINGLE else None
+    out.write_text(render(model, str(out), data, train, s.notes, kind, checkpoint))
     try:
         load_config(out)  # what was written validates
     except UserError:

@@ -12,16 +12,38 @@ on a machine shared with other work a 2-thread run slowed ~8x here, a 1-thread o
     .venv/bin/python scripts/bench_recipes.py [--seeds 42 43 44] [--only baseline llrd ...] [--out FILE]
 
 Prints a markdown table (median over seeds, then each seed) and writes JSON to --out.
+
+`finetune init`'s recipe against hand configurations on the shipped data sets (issue 41), one cell a call
+so that each run can hold the shared CPU lock on its own:
+
+    .venv/bin/python scripts/bench_recipes.py --row trec --column new [--seed 42] [--results FILE]
+    .venv/bin/python scripts/bench_recipes.py --table [--results FILE]
+
+A row's data is written once under --work as train/dev/test .jsonl files init reads (TREC's fine labels, an
+AG News class-balanced sample, seeded stratified 80/20 splits of SMS Spam and BBC News, MRPC's train/dev and
+its labelled test file, an SST-2 sample with the dev set as validation and the SentEval test set as test);
+`finetune init` writes the config (column `today`: init as of commit TODAY_COMMIT, run from a `git archive` of
+it; `new`: this tree), which trains unedited but for the output directory and seed; `hand` is today's config
+with the row's HAND overrides. The score is test accuracy (a split no column trains or selects on), with its
+bootstrap interval from eval.json; the wall time is the `finetune/train.py` child's.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import os
+import random
 import statistics
+import subprocess
+import sys
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 from bench_imbalance import run  # the real train.py with overrides, evaluation only at the end
+from benchlib import ROOT, train_run
 
 VARIANTS = {
     "shipped (lr 1e-4)": [],
@@ -31,14 +53,200 @@ VARIANTS = {
 }
 
 
+DATA = Path(os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
+TODAY_COMMIT = "c4f1520"  # finetune init's recipe before issue 41 (a table of epochs by rows, lr 1e-4)
+ROWS = ("trec50", "ag2k", "ag8k", "sms", "bbc", "mrpc", "sst2-4k")
+# the best hand configuration found per row: overrides of today's init config
+HAND: dict[str, list[str]] = {
+    "trec50": ["train.epochs=10"],
+    "ag2k": ["train.epochs=5"],
+    "ag8k": ["train.epochs=3"],
+    "sms": ["train.epochs=3"],
+    "bbc": ["data.max_length=256", "train.epochs=3"],
+    "mrpc": ["train.epochs=5", "train.learning_rate=5e-5"],
+    "sst2-4k": ["train.epochs=3"],
+}
+
+
+def _split(rows: list[dict[str, Any]], test_share: float, seed: int = 0) -> tuple[list, list]:
+    """A seeded split stratified by label: (train, test)."""
+    by: dict[str, list] = defaultdict(list)
+    for r in rows:
+        by[r["label"]].append(r)
+    train, test = [], []
+    rng = random.Random(seed)
+    for label in sorted(by):
+        group = by[label]
+        rng.shuffle(group)
+        k = round(len(group) * test_share)
+        test += group[:k]
+        train += group[k:]
+    rng.shuffle(train)
+    return train, test
+
+
+def _tsv(path: Path, names: tuple[str, ...], label: int, texts: list[int], skip: int = 1) -> list[dict[str, Any]]:
+    """Rows of a tab-separated file read with no quoting (MRPC, SST-2): text columns `texts` named `names`."""
+    lines = path.read_text(encoding="utf-8-sig").splitlines()[skip:]
+    return [
+        {**{n: f[i].strip() for n, i in zip(names, texts, strict=True)}, "label": f[label].strip()}
+        for f in (line.split("\t") for line in lines)
+        if len(f) > max(label, *texts)
+    ]
+
+
+def row_data(row: str) -> dict[str, list[dict[str, Any]]]:
+    """The splits of a row: train, and dev (validation) and test where the row has them."""
+    if row == "trec50":
+        read = lambda f: [  # noqa: E731
+            {"text": line.split(" ", 1)[1], "label": line.split(" ", 1)[0]}
+            for line in (DATA / "trec" / f).read_text(encoding="latin-1").splitlines()
+            if line.strip()
+        ]
+        return {"train": read("train_5500.label"), "test": read("TREC_10.label")}
+    if row.startswith("ag"):
+        names = (DATA / "ag_news" / "classes.txt").read_text().splitlines()
+        read = lambda f: [  # noqa: E731
+            {"text": r["content"], "label": names[int(r["label"]) - 1]}
+            for r in csv.DictReader((DATA / "ag_news" / f).open(encoding="utf-8"))
+        ]
+        train = read("train_8k.csv")
+        if row == "ag2k":
+            train, _ = _split(train, 0.75)  # 500 a class
+        return {"train": train, "test": read("test.csv")}
+    if row == "sms":
+        rows = [
+            {"text": t, "label": lab}
+            for lab, t in (x.split("\t", 1) for x in (DATA / "sms_spam" / "SMSSpamCollection").read_text().splitlines())
+        ]
+        train, test = _split(rows, 0.2)
+        return {"train": train, "test": test}
+    if row == "bbc":
+        rows = [
+            {"text": f.read_bytes().decode("utf-8", errors="replace"), "label": d.name}
+            for d in sorted((DATA / "bbc_news").iterdir())
+            if d.is_dir()
+            for f in sorted(d.iterdir())
+        ]
+        train, test = _split(rows, 0.2)
+        return {"train": train, "test": test}
+    if row == "mrpc":
+        pair = lambda f: _tsv(DATA / "mrpc" / f, ("sentence1", "sentence2"), 0, [3, 4])  # noqa: E731
+        return {"train": pair("train.tsv"), "dev": pair("dev.tsv"), "test": pair("msr_paraphrase_test.txt")}
+    if row == "sst2-4k":
+        train = _tsv(DATA / "sst2" / "train.tsv", ("text",), 1, [0])
+        random.Random(0).shuffle(train)
+        return {
+            "train": train[:4000],
+            "dev": _tsv(DATA / "sst2" / "dev.tsv", ("text",), 1, [0]),
+            "test": _tsv(DATA / "sst2" / "test_senteval.tsv", ("text",), 1, [0], skip=0),
+        }
+    raise SystemExit(f"unknown row {row}; rows: {ROWS}")
+
+
+def prepare(row: str, work: Path) -> Path:
+    """The row's folder of train/dev/test .jsonl files (written once)."""
+    folder = work / "data" / row
+    if not (folder / "train.jsonl").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        for split, rows in row_data(row).items():
+            (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def init(folder: Path, out: Path, today: bool, work: Path) -> str:
+    """`finetune init FOLDER -o OUT` with this tree's init, or with TODAY_COMMIT's (from a git archive); its notes."""
+    src = ROOT
+    if today:
+        src = work / f"init-{TODAY_COMMIT}"
+        if not (src / "finetune").exists():
+            src.mkdir(parents=True, exist_ok=True)
+            archive = subprocess.run(
+                ["git", "archive", TODAY_COMMIT, "finetune"], cwd=ROOT, capture_output=True, check=True
+            )
+            subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    code = (
+        f"import sys; sys.path.insert(0, {str(src)!r}); from finetune.scaffold import init_config; "
+        f"print('\\n'.join(init_config(__import__('pathlib').Path({str(folder)!r}), "
+        f"__import__('pathlib').Path({str(out)!r}), force=True)))"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def cell(row: str, column: str, seed: int, work: Path, results: Path) -> dict[str, Any]:
+    """One run of one row and column; appended to `results` (JSON lines)."""
+    folder = prepare(row, work)
+    cfg = work / "configs" / f"{row}-{column}.yaml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    notes = init(folder, cfg, column != "new", work)
+    extra = HAND[row] if column == "hand" else []
+    r = train_run(cfg, [f"run.seed={seed}", *extra], work / "runs" / f"{row}-{column}-{seed}")
+    test = r.eval["test"]
+    steps = max((m["step"] for m in r.metrics()), default=0)
+    out = {
+        "row": row,
+        "column": column,
+        "seed": seed,
+        "accuracy": test["accuracy"],
+        "accuracy_ci": test.get("accuracy_ci"),
+        "macro_f1": test.get("macro_f1"),
+        "wall_s": r.wall_s,
+        "steps": steps,
+        "exported_step": r.eval.get("step"),
+        "overrides": extra,
+        "notes": notes,
+    }
+    with results.open("a") as f:
+        f.write(json.dumps(out) + "\n")
+    print(f"{row} {column} seed {seed}: test accuracy {out['accuracy']:.4f} {out['accuracy_ci']} {r.wall_s:.0f} s")
+    return out
+
+
+def table(results: Path) -> str:
+    """The markdown table: per row and column, median test accuracy [interval of the median run], wall s."""
+    cells: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for line in results.read_text().splitlines():
+        c = json.loads(line)
+        cells[(c["row"], c["column"])].append(c)
+    lines = [
+        "| data | today's init: acc [95% CI], s | new init: acc [95% CI], s | best hand: acc [95% CI], s | seeds |",
+        "|---|---|---|---|---|",
+    ]
+    for row in ROWS:
+        parts, seeds = [], set()
+        for column in ("today", "new", "hand"):
+            runs = sorted(cells.get((row, column), []), key=lambda c: c["accuracy"])
+            if not runs:
+                parts.append("not run")
+                continue
+            mid = runs[len(runs) // 2]
+            ci = mid["accuracy_ci"] or [float("nan")] * 2
+            wall = statistics.median(c["wall_s"] for c in runs)
+            parts.append(f"{mid['accuracy']:.4f} [{ci[0]:.3f}, {ci[1]:.3f}], {wall:.0f}")
+            seeds |= {c["seed"] for c in runs}
+        lines.append(f"| {row} | " + " | ".join(parts) + f" | {', '.join(map(str, sorted(seeds)))} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--row", choices=ROWS, help="issue 41: one row of the init-recipe table")
+    parser.add_argument("--column", choices=("today", "new", "hand"), default="new")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--results", default="/tmp/bench_recipes_rows.jsonl")
+    parser.add_argument("--table", action="store_true", help="print the init-recipe table from --results")
     parser.add_argument("--config", default="configs/sst2-minilm.yaml")
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44])
     parser.add_argument("--only", nargs="+", default=None, help="variant name prefixes to run")
     parser.add_argument("--work", default="/tmp/bench_recipes")
     parser.add_argument("--out", default="/tmp/bench_recipes.json")
     args = parser.parse_args()
+    if args.table:
+        print(table(Path(args.results)))
+        return
+    if args.row:
+        cell(args.row, args.column, args.seed, Path(args.work), Path(args.results))
+        return
     variants = {k: v for k, v in VARIANTS.items() if not args.only or any(k.startswith(o) for o in args.only)}
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for seed in args.seeds:

@@ -45,6 +45,7 @@ LAYERS = [
     "final",
     "predict",
     "card",
+    "recipe",
     "scaffold",
     "export",
     "nodes",

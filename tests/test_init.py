@@ -25,7 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _init(data: Path, out: Path, *extra: str) -> int:
-    return cli_main(["init", str(data), "-o", str(out), *extra])
+    # no timed training step (tests/test_recipe.py covers the budget): seconds of model building per call
+    return cli_main(["init", str(data), "-o", str(out), "--no-budget", *extra])
 
 
 @pytest.mark.slow
@@ -432,7 +433,7 @@ def test_init_reads_parquet_under_another_name(tmp_path: Path) -> None:
     out = tmp_path / "p.yaml"
     assert _init(path, out) == 0
     cfg = load_config(out)
-    assert cfg.data.format == "parquet" and len(load_raw_splits(cfg).train) == 36
+    assert cfg.data.format == "parquet" and len(load_raw_splits(cfg).train) == 32  # a fifth held out: 8 rows
 
 
 def test_init_max_length_stays_within_the_models_positions(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

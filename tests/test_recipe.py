@@ -1,0 +1,98 @@
+"""`finetune init`'s adaptive single-label recipe (finetune/recipe.py): the choice on small shapes, computed by
+hand here, and what init writes and says for a file of many small classes and a pair file."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.cli import main as cli_main
+from finetune.config_io import load_config
+from finetune.recipe import Shape, adaptive, step_seconds
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_many_classes_with_few_rows_each_train_long_with_early_stopping() -> None:
+    # 50 classes x 20 rows: no validation file, so a stratified slice: a fifth of 1,000 rows (200, 4 a class)
+    r = adaptive(Shape(rows=1000, class_rows={f"c{i}": 20 for i in range(50)}, pair=False, validation=0))
+    assert r.data == {"validation_split": 0.2}
+    # 800 training rows, 16 a class: 2,000 / 16 -> 125 passes, bounded by 20; 25 steps an epoch of 32 rows
+    assert r.train["epochs"] == 20
+    assert r.train["eval_every_steps"] == 13 and r.train["early_stopping_patience"] == 4  # 2 a epoch, 2 epochs
+    assert r.checkpoint == {"every_steps": 13, "export": "best", "keep_last": 1}
+    assert (r.train["learning_rate"], r.train["warmup_ratio"]) == (1e-4, 0.06)
+    assert "max_minutes" not in r.train  # no step measured: no budget
+    said = " ".join(r.notes)
+    assert "200 training rows held out" in said and "50 classes, 16 training rows a class" in said
+
+
+def test_a_pair_file_with_its_validation_file() -> None:
+    r = adaptive(Shape(rows=3000, class_rows={"0": 1000, "1": 2000}, pair=True, validation=400, parameters=110_000_000))
+    assert r.data == {}  # the validation file is used as it is
+    # 1,500 rows a class: 2 passes see each class 2,000 times; at least 3
+    assert r.train["epochs"] == 3 and r.train["warmup_ratio"] == 0.1
+    assert r.train["learning_rate"] == 5e-5  # a base-size model
+    assert "sentence pairs" in " ".join(r.notes)
+
+
+def test_a_large_binary_file_gets_few_passes_a_capped_slice_and_a_budget() -> None:
+    r = adaptive(
+        Shape(rows=200_000, class_rows={"a": 100_000, "b": 100_000}, pair=False, validation=0, step_seconds=0.2)
+    )
+    held = 2000  # 10% would be 20,000: capped
+    assert r.data == {"validation_split": round(held / 200_000, 4)}
+    steps = math.ceil((200_000 - held) / 32)
+    assert r.train["epochs"] == 3 and r.train["eval_every_steps"] == math.ceil(steps / 2)
+    evaluation = math.ceil(held / 64) * 0.2 * 0.7
+    expected = math.ceil(1.5 * (3 * steps * 0.2 + 6 * evaluation) / 60)
+    assert r.train["max_minutes"] == expected
+    assert f"time budget {expected} minutes" in " ".join(r.notes)
+
+
+def test_init_on_many_small_classes_writes_and_says_the_recipe(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "quiet", "storm", "lamp"]
+    rows = [{"text": " ".join(rng.choices(words, k=6)), "label": f"intent_{i % 40}"} for i in range(480)]
+    path = tmp_path / "intents.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "intents.yaml"
+    assert cli_main(["init", str(path), "-o", str(out), "--no-budget"]) == 0
+    err = capfd.readouterr().err
+    raw = yaml.safe_load(out.read_text())
+    # 480 rows: a slice of 96 (a fifth: 4 a class would be 160); 384 left, 9.6 a class -> 20 epochs
+    assert raw["data"]["validation_split"] == 0.2 and raw["train"]["epochs"] == 20
+    assert raw["train"]["early_stopping_patience"] == 2  # 12 steps an epoch: one evaluation an epoch, 2 epochs
+    assert (
+        raw["checkpoint"]["export"] == "best" and raw["checkpoint"]["every_steps"] == raw["train"]["eval_every_steps"]
+    )
+    assert "40 classes, 10 training rows a class" in err and "96 training rows held out" in err
+    load_config(out)  # it validates as written
+
+
+@pytest.mark.slow
+def test_init_times_a_step_of_the_model_and_writes_a_budget(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
+
+    from finetune.model import build_tokenizer, resolve_model_path
+    from finetune.scaffold import load_config_for_tokenizer
+
+    model = tmp_path / "model"  # a tiny BERT with the default vocab: a step takes milliseconds
+    AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6")).save_pretrained(model)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(model)
+    cfg = load_config_for_tokenizer(str(model))
+    seconds = step_seconds(cfg, ["a", "b"], build_tokenizer(cfg), 8, 2)
+    assert 0 < seconds < 5
+    rows = "".join(f"word{i % 7} and word{i % 3},{i % 2}\n" for i in range(60))
+    (tmp_path / "small.csv").write_text("text,label\n" + rows)
+    out = tmp_path / "small.yaml"
+    assert cli_main(["init", str(tmp_path / "small.csv"), "-o", str(out), "--model", str(model)]) == 0
+    cfg = load_config(out)
+    assert cfg.train.max_minutes == 5  # the floor: a tiny model's steps add up to seconds
+    assert "time budget 5 minutes (train.max_minutes)" in capfd.readouterr().err
