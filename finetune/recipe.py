@@ -39,7 +39,7 @@ MODEL_RECIPES: dict[str, dict[str, Any]] = {"mpnet-base": {"learning_rate": 2e-5
 
 # Single-label: each class seen about this many times over the run bounds the epochs (within EPOCHS); more
 # rows than that a class need fewer passes, and early stopping ends a run that stopped improving before the bound
-SEEN_PER_CLASS = 2000
+SEEN_PER_CLASS = 800
 EPOCHS = (3, 20)  # fewest, most passes the bound may be
 EVALS_PER_EPOCH = 2
 PATIENCE_EPOCHS = 2  # evaluations without improvement before stopping, in epochs

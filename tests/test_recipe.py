@@ -22,7 +22,7 @@ def test_many_classes_with_few_rows_each_train_long_with_early_stopping() -> Non
     # 50 classes x 20 rows: no validation file, so a stratified slice: a fifth of 1,000 rows (200, 4 a class)
     r = adaptive(Shape(rows=1000, class_rows={f"c{i}": 20 for i in range(50)}, pair=False, validation=0))
     assert r.data == {"validation_split": 0.2}
-    # 800 training rows, 16 a class: 2,000 / 16 -> 125 passes, bounded by 20; 25 steps an epoch of 32 rows
+    # 800 training rows, 16 a class: 800 / 16 -> 50 passes, bounded by 20; 25 steps an epoch of 32 rows
     assert r.train["epochs"] == 20
     assert r.train["eval_every_steps"] == 13 and r.train["early_stopping_patience"] == 4  # 2 a epoch, 2 epochs
     assert r.checkpoint == {"every_steps": 13, "export": "best", "keep_last": 1}
@@ -35,7 +35,7 @@ def test_many_classes_with_few_rows_each_train_long_with_early_stopping() -> Non
 def test_a_pair_file_with_its_validation_file() -> None:
     r = adaptive(Shape(rows=3000, class_rows={"0": 1000, "1": 2000}, pair=True, validation=400, parameters=110_000_000))
     assert r.data == {}  # the validation file is used as it is
-    # 1,500 rows a class: 2 passes see each class 2,000 times; at least 3
+    # 1,500 rows a class: 1 pass sees each class 800 times; at least 3
     assert r.train["epochs"] == 3 and r.train["warmup_ratio"] == 0.1
     assert r.train["learning_rate"] == 5e-5  # a base-size model
     assert "sentence pairs" in " ".join(r.notes)
