@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.utils.hooks import RemovableHandle
 
 from finetune.errors import UserError
 from finetune.fileio import read_jsonl
@@ -109,7 +111,42 @@ class PeakTracker(MemTracker):
     after every op and deep-copies a snapshot whenever one rises (O(ops x modules): a 30-layer
     decoder's sampled window ran tens of times slower than an untracked one); the report and the
     planner read the global peak snapshot alone, kept here as MemTracker keeps it.
+
+    MemTracker's ModTracker registers a multi-grad hook on every tracked module's inputs and outputs and drops
+    the handle. Each hook's closure holds the grad_fns of its tensors, and those grad_fns hold the hook (in
+    C++): a cycle Python's collector cannot see through, so the window's autograd graph outlives the run and,
+    through its AccumulateGrad nodes, every parameter with it (one copy of the weights per sampled run in a
+    process that trains again: a sweep, a notebook). The handles are kept here and removed on exit, when the
+    window's backward has run.
     """
+
+    def __enter__(self) -> PeakTracker:
+        self._multi_grad_handles: list[RemovableHandle] = []
+        register = self._register_multi_grad_hook = mod_tracker.register_multi_grad_hook
+
+        def register_and_keep(*args: Any, **kwargs: Any) -> RemovableHandle:
+            handle = register(*args, **kwargs)
+            self._multi_grad_handles.append(handle)
+            return handle
+
+        mod_tracker.register_multi_grad_hook = register_and_keep
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._release_multi_grad_hooks()
+            raise
+
+    def __exit__(self, *args: Any) -> None:
+        try:
+            super().__exit__(*args)
+        finally:
+            self._release_multi_grad_hooks()
+
+    def _release_multi_grad_hooks(self) -> None:
+        mod_tracker.register_multi_grad_hook = self._register_multi_grad_hook
+        for handle in self._multi_grad_handles:
+            handle.remove()
+        self._multi_grad_handles.clear()
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for dev, snap in self._curr_mem_snap.items():

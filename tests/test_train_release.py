@@ -7,6 +7,7 @@ failed run leaves referenced is memory the next trial cannot have (on a GPU, the
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def live_tensors() -> dict[int, torch.Tensor]:
     """Every tensor the garbage collector can see (parameters, gradients, optimizer state, caches)."""
     return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+
+def reachable_bytes() -> int:
+    """Bytes of the distinct storages behind every tensor the garbage collector can see."""
+    storages = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor):
+            storage = o.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 @pytest.mark.slow
@@ -49,11 +60,14 @@ def test_train_releases_the_run_whether_it_returns_or_raises(
     monkeypatch.setattr(train_module, "build_optimizer", optimizer)
     small = {"data.max_train_samples": 32, "data.max_eval_samples": 16, "train.max_steps": 1}
     gc.collect()
-    before = live_tensors()
+    before, before_bytes = live_tensors(), reachable_bytes()
 
     def assert_released(how: str) -> None:
         assert set(made) == {"model", "optimizer", "a weight"}
         gc.collect()
+        # an independent count: the tiny model's weights are ~4 MB (its embedding table alone), a leak is all of them
+        left_bytes = reachable_bytes() - before_bytes
+        assert left_bytes < 64 * 1024, f"{how}: {left_bytes} bytes of tensors more than before the run"
         alive = [name for name, ref in made.items() if ref() is not None]
         holders = {name: sorted({type(r).__name__ for r in gc.get_referrers(made[name]())}) for name in alive}
         assert not alive, f"{how}: alive, held by {holders}"
@@ -67,6 +81,12 @@ def test_train_releases_the_run_whether_it_returns_or_raises(
         train_module.train(load_config(tiny_config({**small, "checkpoint.every_steps": 1}, name="fails.yaml")))
     monkeypatch.delenv(faults.ENV)
     assert_released("raised")
-    result = train_module.train(load_config(tiny_config({**small, "run.overwrite": True})))
-    assert result["step"] == 1
+    # two steps: the second's window runs under the memory report's MemTracker, whose hooks once kept the
+    # window's autograd graph, and with it every parameter, alive after train() returned
+    two = {"train.max_steps": 2, "train.gradient_accumulation_steps": 1}
+    cfg = load_config(tiny_config({**small, **two, "run.overwrite": True}))
+    result = train_module.train(cfg)
+    assert result["step"] == 2
+    report = json.loads((Path(cfg.run.output_dir) / "memory.json").read_text())
+    assert report["memtracker_peak"] and "optimizer step 2" in report["breakdown_method"], report["breakdown_method"]
     assert_released("returned")
