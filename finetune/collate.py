@@ -19,9 +19,31 @@ class Collator:
         self.tokenizer = tokenizer
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        model_feats = [{k: f[k] for k in self.MODEL_KEYS if k in f} for f in features]
-        batch = dict(self.tokenizer.pad(model_feats, return_tensors="pt"))
-        return self.add_bookkeeping(batch, features)
+        keys = [k for k in self.MODEL_KEYS if k in features[0]]
+        if "attention_mask" not in keys:  # the tokenizer knows whether its model takes a mask
+            model_feats = [{k: f[k] for k in keys} for f in features]
+            return self.add_bookkeeping(dict(self.tokenizer.pad(model_feats, return_tensors="pt")), features)
+        return self.add_bookkeeping(self.pad(features, keys), features)
+
+    def pad(self, features: list[dict[str, Any]], keys: list[str]) -> dict[str, torch.Tensor]:
+        """`tokenizer.pad` for rows that carry their attention mask, in one list pass per key: the
+        tokenizer's own pad walks each row through its Python checks, a host cost every micro-batch pays."""
+        longest = max(len(f["input_ids"]) for f in features)
+        fill = {
+            "input_ids": self.tokenizer.pad_token_id or 0,
+            "attention_mask": 0,
+            "token_type_ids": self.tokenizer.pad_token_type_id,
+        }
+        left = self.tokenizer.padding_side == "left"
+        batch = {}
+        for key in keys:
+            pad = [fill[key]]
+            rows = [
+                pad * (longest - len(f[key])) + list(f[key]) if left else list(f[key]) + pad * (longest - len(f[key]))
+                for f in features
+            ]
+            batch[key] = torch.tensor(rows, dtype=torch.long)
+        return batch
 
     @staticmethod
     def add_bookkeeping(batch: dict[str, torch.Tensor], features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

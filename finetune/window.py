@@ -298,6 +298,17 @@ class WindowedDataset(TorchDataset):
             return item
         return dict(self.ds[int(key)])
 
+    def __getitems__(self, keys: list[tuple[int, int, float]] | list[int]) -> list[dict[str, Any]]:
+        """A micro-batch's rows in one read of the table (the DataLoader calls this with a batch sampler)."""
+        windowed = isinstance(keys[0], tuple)
+        columns = self.ds[[int(k[0]) if windowed else int(k) for k in keys]]  # type: ignore[index]
+        rows = [dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+        if windowed:
+            for row, (_, window, weight) in zip(rows, keys, strict=True):  # type: ignore[misc]
+                row["window_samples"] = window
+                row["sample_weight"] = weight
+        return rows
+
 
 # ----------------------------------------------------------------------------------------------
 # The loss normaliser.
