@@ -141,9 +141,10 @@ def adaptive(shape: Shape) -> Recipe:
     r.train |= {"epochs": epochs, "learning_rate": rate, "warmup_ratio": warmup}
     r.train |= {"eval_every_steps": every, "early_stopping_patience": patience}
     r.checkpoint |= {"every_steps": every, "export": "best", "keep_last": 1}
+    own = f"; {shape.model}: its own rate, at most {own_max} epochs" if shape.model in MODEL_RECIPES else ""
     r.notes.append(
         f"{classes} classes, {per_class:,.0f} training rows a class (fewest {smallest:,.0f}): at most {epochs} epochs "
-        f"(each class seen about {SEEN_PER_CLASS:,} times, {EPOCHS[0]} to {EPOCHS[1]} passes)"
+        f"(each class seen about {SEEN_PER_CLASS:,} times, {EPOCHS[0]} to {EPOCHS[1]} passes{own})"
     )
     r.notes.append(
         f"early stopping: an evaluation every {every} steps ({evals} an epoch of {steps_per_epoch} steps), stop after "
