@@ -15,6 +15,15 @@ after the other and alternating (A B B A ...), on the same rows with the same hy
 samples/s is training time only (finetune: its loop's logged rate; Trainer: on_train_begin ->
 on_train_end); accuracy is on the SST-2 dev set (872 rows), both evaluated with the same code.
 Report the ratios: the machine is shared and noisy.
+
+The ladder on SmolLM2-135M (docs/MEMORY.md): each rung of LADDER is finetune on the same rows at
+`data.max_length` 32 (grouped batches of 16 x 32 tokens are then the planner's worst case), in its own child:
+
+    python scripts/bench_decoder.py --ladder 0 1 2 --rows 480 --ladder-json runs/ladder.json   # appends
+    python scripts/bench_decoder.py --ladder-table runs/ladder.json
+
+per rung: peak RSS (`ru_maxrss`), the loop's MemTracker peak (memory.json) against `predict_peak` at the
+sampled window's shape, dev accuracy and samples/s.
 """
 
 from __future__ import annotations
@@ -53,8 +62,13 @@ def overrides(out: Path, rows: int, seed: int) -> list[str]:
 
 
 def child_finetune(rows: int, seed: int, config: Path = CONFIG) -> dict[str, Any]:
+    from finetune import memory
     from finetune.fileio import read_jsonl
     from finetune.train import main
+
+    # finetune resets the kernel's high-water mark at every log line (its per-interval peaks), and the reset
+    # lowers ru_maxrss too: kept off here so that the child's ru_maxrss is its whole life's peak, as Trainer's is
+    memory._reset_vm_hwm = lambda: False
 
     with tempfile.TemporaryDirectory(prefix="bench-dec-ft-") as tmp:
         run = Path(tmp) / "run"
@@ -144,6 +158,96 @@ def child_trainer(rows: int, seed: int) -> dict[str, Any]:
     }
 
 
+# name -> overrides of configs/sst2-smollm2.yaml; full fine-tuning takes a learning rate for all weights
+LADDER: list[tuple[str, list[str]]] = [
+    ("full fine-tuning, fp32 (lr 5e-5)", ["model.lora=null", "train.learning_rate=5e-5"]),
+    ("LoRA r=16, fp32", []),
+    ("LoRA r=16, bf16 autocast", ["precision.mode=bf16"]),
+    (
+        "full fine-tuning, bf16-true (fp32 norms, lr 5e-5)",
+        ["model.lora=null", "precision.mode=bf16-true", "train.learning_rate=5e-5"],
+    ),
+    ("LoRA r=16, fp32, gradient checkpointing", ["model.gradient_checkpointing=true"]),
+    ("QLoRA: 4-bit NF4 base, LoRA r=16", ["model.quantization=4bit"]),
+    ("LoRA r=16 on an 8-bit base", ["model.quantization=8bit"]),
+]
+LADDER_LENGTH = 32
+
+
+def child_rung(rows: int, seed: int, rung: int) -> dict[str, Any]:
+    from finetune import memory
+    from finetune.config_io import load_config
+    from finetune.fileio import read_jsonl
+    from finetune.model import build_tokenizer
+    from finetune.planner import predict_peak
+    from finetune.train import main
+
+    memory._reset_vm_hwm = lambda: False  # as in child_finetune: ru_maxrss is the whole run's
+    with tempfile.TemporaryDirectory(prefix="bench-dec-rung-") as tmp:
+        run = Path(tmp) / "run"
+        over = [*overrides(run, rows, seed), f"data.max_length={LADDER_LENGTH}", *LADDER[rung][1]]
+        assert main(["--config", str(CONFIG), *over]) == 0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        last = [r for r in read_jsonl(run / "metrics.jsonl") if "samples_per_s" in r][-1]
+        acc = json.loads((run / "eval.json").read_text())["accuracy"]
+        report = json.loads((run / "memory.json").read_text())
+    cfg = load_config(CONFIG, over)
+    shapes = report["sampled_batches"]
+    micro, seq = max(b[0] for b in shapes), max(b[1] for b in shapes)
+    t0 = time.perf_counter()
+    G = cfg.train.gradient_accumulation_steps
+    plan = predict_peak(cfg, micro, G, build_tokenizer(cfg), ["negative", "positive"], seq_len=seq)
+    return {
+        "rung": LADDER[rung][0],
+        "overrides": LADDER[rung][1],
+        "peak_rss_mib": rss,
+        "loop_peak_mib": report["peak_bytes"] / 2**20,
+        "planned_mib": plan.peak_bytes / 2**20,
+        "plan_error": plan.peak_bytes / report["peak_bytes"] - 1,
+        "sampled_batches": shapes,
+        "split_mib": {
+            k: (report[f"{k}_bytes"] or 0) / 2**20
+            for k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+        },
+        "plan_seconds": time.perf_counter() - t0,
+        "samples_per_s": last["samples_per_s"],
+        "accuracy": acc,
+    }
+
+
+def ladder_table(path: Path) -> str:
+    """The ladder's markdown table: the median over seeds of each rung, % of full fp32's peak RSS."""
+    runs = json.loads(path.read_text())
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["rung"], []).append(r)
+    med = {
+        n: {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("peak_rss_mib", "loop_peak_mib", "planned_mib", "plan_error", "samples_per_s", "accuracy")
+        }
+        for n, rs in by.items()
+    }
+    full = med.get(LADDER[0][0], {}).get("loop_peak_mib")
+    lines = [
+        "| rung | seeds | peak RSS MiB | loop peak MiB (MemTracker) | % of full fp32 | planned MiB | plan error | "
+        "dev accuracy [per seed] | samples/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, _ in LADDER:
+        if name not in med:
+            continue
+        m, seeds = med[name], by[name]
+        share = f"{100 * m['loop_peak_mib'] / full:.0f}" if full else "-"
+        accs = ", ".join(f"{r['accuracy']:.3f}" for r in seeds)
+        lines.append(
+            f"| {name} | {len(seeds)} | {m['peak_rss_mib']:,.0f} | {m['loop_peak_mib']:,.1f} | {share} | "
+            f"{m['planned_mib']:,.1f} | {100 * m['plan_error']:+.2f}% | {m['accuracy']:.3f} [{accs}] | "
+            f"{m['samples_per_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 CHILDREN = {
     "finetune": child_finetune,
     "minilm": lambda rows, seed: child_finetune(rows, seed, ROOT / "configs" / "sst2-minilm.yaml"),
@@ -151,25 +255,12 @@ CHILDREN = {
 }
 
 
-def run_child(name: str, rows: int, seed: int) -> dict[str, Any]:
+def run_child(name: str, rows: int, seed: int, rung: int = 0) -> dict[str, Any]:
     """One contestant in a fresh process; its result line plus its peak RSS."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         t0 = time.perf_counter()
-        subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                name,
-                "--rows",
-                str(rows),
-                "--seed",
-                str(seed),
-                "--child-out",
-                out.name,
-            ],
-            check=True,
-        )
+        args = ["--child", name, "--rows", str(rows), "--seed", str(seed), "--rung", str(rung), "--child-out", out.name]
+        subprocess.run([sys.executable, __file__, *args], check=True)
         result = json.loads(Path(out.name).read_text())
     result["wall_s"] = time.perf_counter() - t0
     return result
@@ -181,13 +272,34 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--child", choices=list(CHILDREN), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ladder", type=int, nargs="*", default=None, help="run these rungs of LADDER (indices)")
+    p.add_argument("--seeds", type=int, nargs="*", default=None, help="--ladder: seeds (default --seed)")
+    p.add_argument("--ladder-json", type=Path, default=ROOT / "runs" / "bench_decoder_ladder.json")
+    p.add_argument("--ladder-table", type=Path, default=None, help="print the ladder table of this JSON file")
+    p.add_argument("--child", choices=[*CHILDREN, "rung"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rung", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        result = CHILDREN[args.child](args.rows, args.seed)
-        result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        if args.child == "rung":
+            result = child_rung(args.rows, args.seed, args.rung)
+        else:
+            result = CHILDREN[args.child](args.rows, args.seed)
+            result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         Path(args.child_out).write_text(json.dumps(result))
+        return 0
+    if args.ladder_table:
+        print(ladder_table(args.ladder_table))
+        return 0
+    if args.ladder is not None:
+        done = json.loads(args.ladder_json.read_text()) if args.ladder_json.exists() else []
+        for seed in args.seeds or [args.seed]:
+            for rung in args.ladder:
+                r = run_child("rung", args.rows, seed, rung) | {"seed": seed, "rows": args.rows}
+                print(json.dumps(r), flush=True)
+                done.append(r)
+                args.ladder_json.parent.mkdir(parents=True, exist_ok=True)
+                args.ladder_json.write_text(json.dumps(done, indent=2))
         return 0
     names = list(CHILDREN)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
