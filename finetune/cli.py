@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,17 @@ def _read_predictions(run: Path, n: int, split: str | None) -> list[dict[str, An
     return rows
 
 
+def _positive_minutes(text: str) -> float:
+    """argparse type of --minutes: a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of minutes")
+    return value
+
+
 def _cmd_init(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="finetune init", description="Write a commented config for a data file or folder that trains as it is."
@@ -282,7 +294,18 @@ def _cmd_init(argv: list[str]) -> int:
         "folder with one sub-folder per label",
     )
     parser.add_argument("-o", "--output", default=None, help="the config to write (default: <data name>.yaml)")
-    parser.add_argument("--model", default="minilm-l6", help="model directory, alias or hub id (default minilm-l6)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory, alias or hub id (default minilm-l6; without it, single-label data gets each "
+        "offline encoder's estimated run time)",
+    )
+    parser.add_argument(
+        "--minutes",
+        type=_positive_minutes,
+        default=None,
+        help="the time you can give: the strongest offline encoder whose run fits is written, with this budget",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing output file")
     parser.add_argument(
         "--no-budget",
@@ -294,7 +317,7 @@ def _cmd_init(argv: list[str]) -> int:
 
     data = Path(args.data)
     out = Path(args.output or f"{data.resolve().stem if data.is_file() else data.resolve().name}.yaml")
-    for note in init_config(data, out, args.model, args.force, budget=not args.no_budget):
+    for note in init_config(data, out, args.model, args.force, budget=not args.no_budget, minutes=args.minutes):
         print(f"  {note}", file=sys.stderr)
     print(f"wrote {out}; train with: finetune train --config {out}", file=sys.stderr)
     return 0

@@ -47,6 +47,46 @@ VALIDATION_ROWS = (300, 2000)  # a validation slice carved from train: at least 
 BUDGET_FACTOR = 1.5  # the budget over the time the epochs bound takes at the measured step
 
 
+KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
+
+# The encoders `finetune init` times and compares when no --model is given: the default first, stronger later
+ENCODERS = ("minilm-l6", "mpnet-base")
+
+
+def choose_encoder(estimates: dict[str, tuple[float, float] | str], minutes: float | None) -> str:
+    """The strongest of ENCODERS whose estimated run fits `minutes` (timed ones only); the default without
+    a budget or when none fits."""
+    fits = [m for m in ENCODERS if not isinstance(estimates.get(m, ""), str) and estimates[m][0] <= (minutes or 0)]
+    return fits[-1] if fits else ENCODERS[0]
+
+
+def encoders_note(
+    estimates: dict[str, tuple[float, float] | str], chosen: str, minutes: float | None, data: str
+) -> str:
+    """init's line on each encoder's estimated run time here, which one it wrote and how to switch."""
+    parts = []
+    for alias in ENCODERS:
+        e = estimates.get(alias, "not timed")
+        if isinstance(e, str):
+            parts.append(f"{alias}: not timed ({e.rstrip('.')})")
+        else:
+            switch = "written" if alias == chosen else f"finetune init {data} --model {alias}"
+            parts.append(f"{alias} about {max(1, round(e[0]))} min at {e[1]:.2f} s a step ({switch})")
+    fits = minutes is not None and not isinstance(estimates.get(chosen, ""), str) and estimates[chosen][0] <= minutes
+    why = (
+        ""
+        if minutes is None
+        else f"the strongest whose run fits --minutes {minutes:g}"
+        if fits
+        else f"none fits --minutes {minutes:g}: the fastest, stopped at the budget"
+    )
+    later = ", stronger" if len(ENCODERS) > 1 else ""
+    return (
+        f"estimated run time on this machine by encoder (fastest first{later}; the epochs bound at a step timed "
+        "here, early stopping may end sooner): " + "; ".join(parts) + (f"; chose {chosen}: {why}" if why else "")
+    )
+
+
 def recipe(problem_type: str, n_train: int, model: str = "minilm-l6") -> dict[str, Any]:
     """train.* keys for `problem_type` and `n_train` training rows, from RECIPES: fewer rows, more passes;
     `model`'s MODEL_RECIPES entry changes the learning rate and caps the epochs."""
@@ -94,6 +134,7 @@ class Recipe:
     data: dict[str, Any] = field(default_factory=dict)
     checkpoint: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    minutes: float | None = None  # the run's estimated length at the measured step (None: no step measured)
 
 
 def learning_rate(parameters: int | None, model: str) -> tuple[float, str]:
@@ -156,6 +197,7 @@ def adaptive(shape: Shape) -> Recipe:
         val_rows = held or shape.validation
         eval_s = math.ceil(val_rows / (2 * shape.batch)) * shape.step_seconds * 0.7  # forward only, twice the rows
         total = epochs * steps_per_epoch * shape.step_seconds + epochs * evals * eval_s
+        r.minutes = total / 60
         minutes = max(5, math.ceil(BUDGET_FACTOR * total / 60))
         r.train["max_minutes"] = minutes
         r.notes.append(
@@ -193,3 +235,31 @@ def step_seconds(cfg: Config, label_names: list[str], tokenizer: Any, micro: int
         train_window(model, optimizer, [batch] * accumulation, autocast_context(cfg.precision.mode), None)
         times.append(time.perf_counter() - start)
     return min(times[1:])
+
+
+def train_keys(
+    problem_type: str, shape: Shape, model: str, micro: int, accumulation: int, notes: list[str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(train, data, checkpoint) keys of the recipe, its reasons appended to `notes`: single-label adaptive
+    (recipe.adaptive), multi-label and regression from their tables."""
+    train: dict[str, Any] = {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation}
+    if problem_type == SINGLE:
+        r = adaptive(shape)
+        notes += r.notes
+        return train | r.train, r.data, r.checkpoint
+    r2 = recipe(problem_type, shape.rows, model)
+    own = MODEL_RECIPES.get(model)
+    notes.append(
+        f"{shape.rows} training rows: the {KINDS[problem_type]} recipe for that size (recipe.RECIPES"
+        + (f"; {model}: its own rate, at most {own['max_epochs']} epochs" if own else "")
+        + "): "
+        + ", ".join(f"{k} {v:g}" for k, v in r2.items())
+    )
+    data = {} if shape.validation else {"validation_split": 0.1}
+    if not shape.validation:
+        notes.append("no validation file: 10% of train held out (data.validation_split)")
+    return (
+        {"epochs": r2["epochs"], **train, **{k: v for k, v in r2.items() if k != "epochs"}} | {"eval_every_steps": 200},
+        data,
+        {},
+    )

@@ -23,9 +23,21 @@ from typing import Any
 from finetune.config import TrainConfig
 from finetune.config_io import load_config, validate_config
 from finetune.errors import UserError
-from finetune.formats import check_format
+from finetune.formats import check_format, count_rows
 from finetune.model import build_tokenizer, model_config, row_limit
-from finetune.recipe import MODEL_RECIPES, Shape, adaptive, micro_batch, parameter_count, recipe, step_seconds
+from finetune.recipe import (
+    ENCODERS,
+    KINDS,
+    MODEL_RECIPES,
+    Shape,
+    adaptive,
+    choose_encoder,
+    encoders_note,
+    micro_batch,
+    parameter_count,
+    step_seconds,
+    train_keys,
+)
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "score", "quality", "sentiment", "intent")
@@ -647,29 +659,6 @@ def _max_length(s: Sniffed, data: dict[str, Any], tok: Any, limit: int | None) -
     return min(wanted, cap)
 
 
-KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
-
-
-def count_rows(path: Path, fmt: str, sampled: int) -> int:
-    """The rows of a train or validation file (init reads a sample of records; this counts them all)."""
-    try:
-        if fmt == "jsonl":
-            with path.open("rb") as f:
-                return sum(1 for line in f if line.strip())
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return int(pq.ParquetFile(path).metadata.num_rows)
-        if fmt == "json":
-            return len(json.loads(path.read_text(encoding="utf-8")))
-        if fmt in ("csv", "tsv"):
-            with path.open("rb") as f:
-                return max(0, sum(1 for line in f if line.strip()) - 1)  # a header line; quoted newlines overcount
-    except (OSError, ValueError):
-        pass
-    return sampled
-
-
 def _class_rows(s: Sniffed, data: dict[str, Any], rows: int) -> dict[str, int]:
     """Rows per label over the whole train file (the sample's counts scaled to `rows`)."""
     values = s.columns.get(data.get("label_column", "label"), [])
@@ -693,42 +682,39 @@ def _shape(s: Sniffed, data: dict[str, Any], splits: dict[str, Path], model: str
     )
 
 
-def _train_keys(
-    problem_type: str, shape: Shape, model: str, micro: int, accumulation: int, notes: list[str]
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(train, data, checkpoint) keys of the recipe, its reasons appended to `notes`: single-label adaptive
-    (recipe.adaptive), multi-label and regression from their tables."""
-    train: dict[str, Any] = {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation}
-    if problem_type == SINGLE:
-        r = adaptive(shape)
-        notes += r.notes
-        return train | r.train, r.data, r.checkpoint
-    r2 = recipe(problem_type, shape.rows, model)
-    own = MODEL_RECIPES.get(model)
-    notes.append(
-        f"{shape.rows} training rows: the {KINDS[problem_type]} recipe for that size (recipe.RECIPES"
-        + (f"; {model}: its own rate, at most {own['max_epochs']} epochs" if own else "")
-        + "): "
-        + ", ".join(f"{k} {v:g}" for k, v in r2.items())
-    )
-    data = {} if shape.validation else {"validation_split": 0.1}
-    if not shape.validation:
-        notes.append("no validation file: 10% of train held out (data.validation_split)")
-    return (
-        {"epochs": r2["epochs"], **train, **{k: v for k, v in r2.items() if k != "epochs"}} | {"eval_every_steps": 200},
-        data,
-        {},
-    )
+def _estimate(alias: str, s: Sniffed, data: dict[str, Any], splits: dict[str, Path]) -> tuple[float, float] | str:
+    """(minutes the recipe's run takes, seconds a step) with `alias` on this data, a step timed here; why not."""
+    notes = list(s.notes)
+    try:
+        cfg = load_config_for_tokenizer(alias)
+        tok = build_tokenizer(cfg)
+        cfg.data.max_length = _max_length(s, dict(data), tok, row_limit(cfg, tok))
+        micro, accumulation = micro_batch(alias, cfg.data.max_length)
+        shape = _shape(s, data, splits, alias, micro * accumulation)
+        shape.parameters = parameter_count(model_config(cfg, tok)[0])
+        shape.step_seconds = step_seconds(cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation)
+        return float(adaptive(shape).minutes or 0.0), shape.step_seconds
+    except UserError as e:
+        return str(e)
+    finally:
+        s.notes[:] = notes  # the chosen model's own notes come later
 
 
 def init_config(
-    data_path: Path, out: Path, model: str = "minilm-l6", force: bool = False, budget: bool = True
+    data_path: Path,
+    out: Path,
+    model: str | None = None,
+    force: bool = False,
+    budget: bool = True,
+    minutes: float | None = None,
 ) -> list[str]:
     """Write a config for `data_path` to `out`; return the notes printed to the user. With `budget`, a
-    training step of the model is timed here and single-label data gets a time budget from it.
+    training step of the model is timed here and single-label data gets a time budget from it; without
+    `model`, each of recipe.ENCODERS is timed and compared, and with `minutes` the strongest that fits is chosen.
 
     Raises:
-        UserError: unreadable or ambiguous data, or `out` exists without `force`.
+        UserError: unreadable or ambiguous data, `minutes` without a timed single-label recipe, or `out`
+            exists without `force`.
     """
     if out.exists() and not force:
         raise UserError(f"{out} exists; choose another -o or pass --force to replace it")
@@ -737,6 +723,18 @@ def init_config(
         raise UserError(f"{data_path} does not exist")
     s, data, splits = sniff_data(data_path)
     problem_type = data.pop("problem_type", SINGLE)
+    if minutes is not None and (not budget or problem_type != SINGLE):
+        raise UserError(
+            f"--minutes {minutes:g}: a time budget is chosen for single-label data with a timed step "
+            + ("(not with --no-budget)" if not budget else f"(this file is {KINDS[problem_type]})")
+        )
+    steps: dict[str, float] = {}
+    if budget and problem_type == SINGLE and model is None:
+        estimates = {alias: _estimate(alias, s, data, splits) for alias in ENCODERS}
+        steps = {alias: e[1] for alias, e in estimates.items() if not isinstance(e, str)}
+        model = choose_encoder(estimates, minutes)
+        s.notes.append(encoders_note(estimates, model, minutes, data_path.name))
+    model = model or ENCODERS[0]
     cfg = load_config_for_tokenizer(model)
     tok = build_tokenizer(cfg)
     data["max_length"] = _max_length(s, data, tok, row_limit(cfg, tok))
@@ -745,8 +743,12 @@ def init_config(
     shape.parameters = parameter_count(model_config(cfg, tok)[0])
     if budget and problem_type == SINGLE:
         cfg.data.max_length = data["max_length"]
-        shape.step_seconds = step_seconds(cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation)
-    train, more_data, checkpoint = _train_keys(problem_type, shape, model, micro, accumulation, s.notes)
+        shape.step_seconds = steps.get(model) or step_seconds(
+            cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation
+        )
+    train, more_data, checkpoint = train_keys(problem_type, shape, model, micro, accumulation, s.notes)
+    if minutes is not None:  # the user's budget bounds the recipe's own
+        train["max_minutes"] = min(train.get("max_minutes", math.inf), math.ceil(minutes))
     data |= more_data
     own = MODEL_RECIPES.get(model)
     if micro != 32 and own:

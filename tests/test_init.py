@@ -17,7 +17,8 @@ from finetune.config_io import load_config
 from finetune.data import build_data
 from finetune.model import build_tokenizer, resolve_model_path
 from finetune.reading import load_raw_splits
-from finetune.scaffold import load_config_for_tokenizer, recipe
+from finetune.recipe import recipe
+from finetune.scaffold import load_config_for_tokenizer
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 from finetune.train import main as train_main
 

@@ -462,7 +462,7 @@ def test_pure_bf16_keeps_mpnets_norms_fp32(mpnet_tok: Path, tmp_path: Path) -> N
 
 
 def test_the_mpnet_recipe_and_micro_batch() -> None:
-    from finetune.scaffold import micro_batch, recipe
+    from finetune.recipe import micro_batch, recipe
     from finetune.tasks import SINGLE
 
     assert recipe(SINGLE, 500, "mpnet-base") == {"epochs": 3, "learning_rate": 2e-5, "warmup_ratio": 0.06}

