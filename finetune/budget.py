@@ -37,5 +37,6 @@ class TimeBudget:
         """The log line of a run the budget ended."""
         return (
             f"time budget of {self.limit_s / 60:g} minutes (train.max_minutes) spent at step {step} "
-            f"({used_s / 60:.1f} minutes of training): stopping; final/ holds the best checkpoint"
+            f"({used_s / 60:.1f} minutes of training): stopping; final/ holds the best checkpoint "
+            "(the run is finished: a larger budget on resume trains no further)"
         )

@@ -423,7 +423,8 @@ class TrainConfig(_Section):
         None,
         description="wall-time budget of the training loop in minutes (evaluations included, kept across resumes): "
         "the run ends at the first step past it, every process at the same step, with the best checkpoint as "
-        "final/ (needs validation, train.eval_every_steps and checkpoint.export=best)",
+        "final/ (needs validation, train.eval_every_steps and checkpoint.export=best); a larger one on resume gives "
+        "an interrupted run more time, not one the budget ended",
         json_schema_extra=MAY_CHANGE_ON_RESUME,  # how long a run may take, not what a step computes
     )
     layer_lr_decay: float = Field(

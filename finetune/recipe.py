@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from finetune.config import Config
+from finetune.errors import UserError
 from finetune.peak import autocast_context, train_window
 from finetune.planner import build_for_planning
 from finetune.tasks import MULTI, REGRESSION, SINGLE
@@ -44,6 +45,7 @@ EPOCHS = (3, 20)  # fewest, most passes the bound may be
 EVALS_PER_EPOCH = 2
 PATIENCE_EPOCHS = 2  # evaluations without improvement before stopping, in epochs
 VALIDATION_ROWS = (300, 2000)  # a validation slice carved from train: at least (or a fifth of train), at most
+MIN_ROWS = 4  # the fewest single-label training rows init writes a recipe for
 BUDGET_FACTOR = 1.5  # the budget over the time the epochs bound takes at the measured step
 
 
@@ -153,11 +155,17 @@ def validation_rows(rows: int, classes: int) -> int:
     """How many training rows a stratified validation slice takes: 10%, at least enough to rank checkpoints
     (VALIDATION_ROWS[0], or 4 a class) but never past a fifth of train, at most VALIDATION_ROWS[1]."""
     low = min(rows // 5, max(VALIDATION_ROWS[0], 4 * classes))
-    return max(low, min(VALIDATION_ROWS[1], round(0.1 * rows)))
+    return min(rows - 1, max(1, low, min(VALIDATION_ROWS[1], round(0.1 * rows))))  # a tiny file still validates
 
 
 def adaptive(shape: Shape) -> Recipe:
-    """The single-label recipe for `shape` (module docstring), with its reasons."""
+    """The single-label recipe for `shape` (module docstring), with its reasons.
+
+    Raises:
+        UserError: fewer than MIN_ROWS training rows (nothing to hold out and still learn from).
+    """
+    if shape.rows < MIN_ROWS:
+        raise UserError(f"{shape.rows} training rows: too few to train and validate a classifier (at least {MIN_ROWS})")
     r = Recipe()
     classes = max(1, len(shape.class_rows))
     held = 0
@@ -218,9 +226,11 @@ def parameter_count(config: Any) -> int | None:
 
 def step_seconds(cfg: Config, label_names: list[str], tokenizer: Any, micro: int, accumulation: int) -> float:
     """Seconds of one training step (forward, backward, AdamW) of `cfg`'s model at `micro` x data.max_length tokens
-    x `accumulation`, timed on this machine: the fastest of two steps after one to warm up."""
-    model, optimizer = build_for_planning(cfg, label_names, tokenizer)
-    model.train()
+    x `accumulation`, timed on this machine (its GPU when there is one, as training will run): the fastest of two
+    steps after one to warm up."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, optimizer = build_for_planning(cfg, label_names, tokenizer, device=device)
+    model.to(device).train()
     length = cfg.data.max_length
     generator = torch.Generator().manual_seed(0)
     vocab = int(getattr(tokenizer, "vocab_size", 1000))
@@ -229,10 +239,13 @@ def step_seconds(cfg: Config, label_names: list[str], tokenizer: Any, micro: int
         "attention_mask": torch.ones(micro, length, dtype=torch.long),
         "labels": torch.zeros(micro, dtype=torch.long),
     }
+    batch = {k: v.to(device) for k, v in batch.items()}
     times = []
     for _ in range(3):
         start = time.perf_counter()
         train_window(model, optimizer, [batch] * accumulation, autocast_context(cfg.precision.mode), None)
+        if device == "cuda":
+            torch.cuda.synchronize()  # kernels run asynchronously: the step ends when they do
         times.append(time.perf_counter() - start)
     return min(times[1:])
 

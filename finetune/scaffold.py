@@ -747,8 +747,9 @@ def init_config(
             cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation
         )
     train, more_data, checkpoint = train_keys(problem_type, shape, model, micro, accumulation, s.notes)
-    if minutes is not None:  # the user's budget bounds the recipe's own
-        train["max_minutes"] = min(train.get("max_minutes", math.inf), math.ceil(minutes))
+    if minutes is not None and minutes < train.get("max_minutes", math.inf):  # the user's budget bounds the recipe's
+        s.notes.append(f"--minutes {minutes:g}: train.max_minutes {minutes:g} (the recipe's own budget replaced)")
+        train["max_minutes"] = minutes
     data |= more_data
     own = MODEL_RECIPES.get(model)
     if micro != 32 and own:

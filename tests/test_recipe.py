@@ -182,5 +182,13 @@ def test_init_without_a_model_times_each_encoder_and_fits_the_minutes(
 
     notes = init_config(tmp_path / "d.csv", tmp_path / "b.yaml", minutes=0.0001)
     cfg = load_config(tmp_path / "b.yaml")
-    assert cfg.model.name_or_path == aliases[0] and cfg.train.max_minutes == 1  # the user's budget, in whole minutes
+    assert cfg.model.name_or_path == aliases[0] and cfg.train.max_minutes == 0.0001  # the user's budget, as given
     assert "none fits --minutes 0.0001" in " ".join(notes)
+    assert "--minutes 0.0001: train.max_minutes 0.0001 (the recipe's own budget replaced)" in notes
+
+
+def test_a_tiny_file_still_gets_a_validation_row_or_a_clear_refusal() -> None:
+    r = adaptive(Shape(rows=4, class_rows={"a": 2, "b": 2}, pair=False, validation=0))
+    assert 0 < r.data["validation_split"] < 1 and r.train["epochs"] == 20
+    with pytest.raises(UserError, match="3 training rows: too few"):
+        adaptive(Shape(rows=3, class_rows={"a": 2, "b": 1}, pair=False, validation=0))
