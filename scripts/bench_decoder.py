@@ -248,8 +248,26 @@ def ladder_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def child_finetune_trim(rows: int, seed: int) -> dict[str, Any]:
+    """finetune with glibc's malloc_trim(0) after every optimizer step (issue 45's lead: freed heap pages handed
+    back between windows); measured, not shipped (docs/MEMORY.md)."""
+    import ctypes
+
+    from finetune import train
+
+    libc, after_step = ctypes.CDLL("libc.so.6"), train.after_step
+
+    def trimmed(*args: Any) -> None:
+        after_step(*args)
+        libc.malloc_trim(0)
+
+    train.after_step = trimmed
+    return child_finetune(rows, seed)
+
+
 CHILDREN = {
     "finetune": child_finetune,
+    "finetune_trim": child_finetune_trim,
     "minilm": lambda rows, seed: child_finetune(rows, seed, ROOT / "configs" / "sst2-minilm.yaml"),
     "trainer": child_trainer,
 }
@@ -276,6 +294,7 @@ def main() -> int:
     p.add_argument("--seeds", type=int, nargs="*", default=None, help="--ladder: seeds (default --seed)")
     p.add_argument("--ladder-json", type=Path, default=ROOT / "runs" / "bench_decoder_ladder.json")
     p.add_argument("--ladder-table", type=Path, default=None, help="print the ladder table of this JSON file")
+    p.add_argument("--contestants", nargs="+", choices=list(CHILDREN), default=["finetune", "minilm", "trainer"])
     p.add_argument("--child", choices=[*CHILDREN, "rung"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--rung", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -301,7 +320,7 @@ def main() -> int:
                 args.ladder_json.parent.mkdir(parents=True, exist_ok=True)
                 args.ladder_json.write_text(json.dumps(done, indent=2))
         return 0
-    names = list(CHILDREN)
+    names = args.contestants
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for rep in range(args.repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
@@ -309,8 +328,9 @@ def main() -> int:
             runs[name].append(r)
             print(f"[{rep + 1}/{args.repeats}] {name:8s} {json.dumps(r)}", flush=True)
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+    base = "trainer" if "trainer" in runs else names[-1]
     ratio = statistics.median(
-        a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs["finetune"], runs["trainer"], strict=True)
+        a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[names[0]], runs[base], strict=True)
     )
     print(f"\n{args.rows} rows, seed {args.seed}, {args.repeats} repeat(s), torch threads: the config's\n")
     print("| | samples/s | dev accuracy | peak RSS MiB | padding | wall s |\n|---|---|---|---|---|---|")
@@ -319,7 +339,7 @@ def main() -> int:
             f"| {n} | {s['samples_per_s']:.2f} | {s['accuracy']:.4f} | {s['peak_rss_mib']:,.0f} | "
             f"{s['padding_fraction']:.3f} | {s['wall_s']:.0f} |"
         )
-    print(f"\nsamples/s finetune / trainer: {ratio:.2f}x")
+    print(f"\nsamples/s {names[0]} / {base}: {ratio:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"runs": runs, "median": med, "ratio": ratio, "rows": args.rows}, indent=2))
