@@ -124,7 +124,8 @@ class Shape:
     validation: int  # rows of the validation file (0: none, a slice of train is held out)
     batch: int = 32
     parameters: int | None = None  # the encoder's parameters (None: not known)
-    step_seconds: float | None = None  # one optimizer step at the written batch and max_length, on this machine
+    step_seconds: float | None = None  # one optimizer step at the written batch and step_tokens, on this machine
+    step_tokens: int | None = None  # the rows' length the step was timed at
     model: str = "minilm-l6"
 
 
@@ -210,7 +211,9 @@ def adaptive(shape: Shape) -> Recipe:
         r.train["max_minutes"] = minutes
         r.notes.append(
             f"time budget {minutes} minutes (train.max_minutes): {BUDGET_FACTOR:g} x the {total / 60:.1f} minutes "
-            f"{epochs} epochs take at {shape.step_seconds:.2f} s a step measured here; the run ends there with the "
+            f"{epochs} epochs take at {shape.step_seconds:.2f} s a step measured here"
+            + (f" ({shape.batch} rows of {shape.step_tokens} tokens, their mean length)" if shape.step_tokens else "")
+            + "; the run ends there with the "
             "best checkpoint if it has not stopped before"
         )
     return r
@@ -224,14 +227,16 @@ def parameter_count(config: Any) -> int | None:
     return int(vocab * h + layers * 12 * h * h)
 
 
-def step_seconds(cfg: Config, label_names: list[str], tokenizer: Any, micro: int, accumulation: int) -> float:
-    """Seconds of one training step (forward, backward, AdamW) of `cfg`'s model at `micro` x data.max_length tokens
-    x `accumulation`, timed on this machine (its GPU when there is one, as training will run): the fastest of two
-    steps after one to warm up."""
+def step_seconds(
+    cfg: Config, label_names: list[str], tokenizer: Any, micro: int, accumulation: int, length: int | None = None
+) -> float:
+    """Seconds of one training step (forward, backward, AdamW) of `cfg`'s model at `micro` x `length` tokens
+    (data.max_length without it) x `accumulation`, timed on this machine (its GPU when there is one, as training
+    will run): the fastest of two steps after one to warm up."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, optimizer = build_for_planning(cfg, label_names, tokenizer, device=device)
     model.to(device).train()
-    length = cfg.data.max_length
+    length = length or cfg.data.max_length
     generator = torch.Generator().manual_seed(0)
     vocab = int(getattr(tokenizer, "vocab_size", 1000))
     batch = {

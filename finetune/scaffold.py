@@ -89,6 +89,7 @@ class Sniffed:
     columns: dict[str, list[str]]  # name -> values as text (the sample read)
     settings: dict[str, Any] = field(default_factory=dict)  # data.* keys the file needs
     notes: list[str] = field(default_factory=list)  # what was chosen and why
+    mean_tokens: float = 0.0  # the sampled rows' mean token length (a pair: both texts), for the timed step
 
 
 def _encoding(raw: bytes) -> str:
@@ -641,6 +642,7 @@ def _max_length(s: Sniffed, data: dict[str, Any], tok: Any, limit: int | None) -
     pair_col = data.get("text_pair_column")  # a pair is one model row: its length is both texts together
     pairs = [str(t) for t in s.columns[pair_col][::stride]] if pair_col else None
     lengths = sorted(len(x) for x in tok(sample, pairs, truncation=False)["input_ids"])
+    s.mean_tokens = statistics.fmean(lengths)
     p99 = lengths[min(len(lengths) - 1, math.ceil(0.99 * len(lengths)) - 1)]
     wanted = max(32, 16 * math.ceil(p99 / 16))
     cap = min(512, limit or 512)
@@ -682,6 +684,18 @@ def _shape(s: Sniffed, data: dict[str, Any], splits: dict[str, Path], model: str
     )
 
 
+def _time_step(
+    shape: Shape, cfg: Any, tok: Any, micro: int, accumulation: int, mean_tokens: float, timed: float | None = None
+) -> None:
+    """`shape.step_seconds` (`timed` when the step was measured already) and `shape.step_tokens`: a step at the
+    rows' mean padded length (batches are grouped by length: each pads to about 1.1x its rows' mean), not at
+    max_length, which only the longest batches reach."""
+    shape.step_tokens = min(cfg.data.max_length, max(8, 8 * math.ceil(1.1 * mean_tokens / 8)))
+    shape.step_seconds = timed or step_seconds(
+        cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation, shape.step_tokens
+    )
+
+
 def _estimate(alias: str, s: Sniffed, data: dict[str, Any], splits: dict[str, Path]) -> tuple[float, float] | str:
     """(minutes the recipe's run takes, seconds a step) with `alias` on this data, a step timed here; why not."""
     notes = list(s.notes)
@@ -692,8 +706,8 @@ def _estimate(alias: str, s: Sniffed, data: dict[str, Any], splits: dict[str, Pa
         micro, accumulation = micro_batch(alias, cfg.data.max_length)
         shape = _shape(s, data, splits, alias, micro * accumulation)
         shape.parameters = parameter_count(model_config(cfg, tok)[0])
-        shape.step_seconds = step_seconds(cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation)
-        return float(adaptive(shape).minutes or 0.0), shape.step_seconds
+        _time_step(shape, cfg, tok, micro, accumulation, s.mean_tokens)
+        return float(adaptive(shape).minutes or 0.0), float(shape.step_seconds or 0.0)
     except UserError as e:
         return str(e)
     finally:
@@ -743,9 +757,7 @@ def init_config(
     shape.parameters = parameter_count(model_config(cfg, tok)[0])
     if budget and problem_type == SINGLE:
         cfg.data.max_length = data["max_length"]
-        shape.step_seconds = steps.get(model) or step_seconds(
-            cfg, sorted(shape.class_rows) or ["a", "b"], tok, micro, accumulation
-        )
+        _time_step(shape, cfg, tok, micro, accumulation, s.mean_tokens, steps.get(model))
     train, more_data, checkpoint = train_keys(problem_type, shape, model, micro, accumulation, s.notes)
     if minutes is not None and minutes < train.get("max_minutes", math.inf):  # the user's budget bounds the recipe's
         s.notes.append(f"--minutes {minutes:g}: train.max_minutes {minutes:g} (the recipe's own budget replaced)")

@@ -97,7 +97,10 @@ def test_init_times_a_step_of_the_model_and_writes_a_budget(tmp_path: Path, capf
     assert cli_main(["init", str(tmp_path / "small.csv"), "-o", str(out), "--model", str(model)]) == 0
     cfg = load_config(out)
     assert cfg.train.max_minutes == 5  # the floor: a tiny model's steps add up to seconds
-    assert "time budget 5 minutes (train.max_minutes)" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "time budget 5 minutes (train.max_minutes)" in err
+    # each row is 7 tokens ([CLS] word ##3 and word ##1 [SEP]): timed at 8 (1.1x the mean, to 8), not max_length 32
+    assert "rows of 8 tokens, their mean length" in err and "max_length 32" in err
 
 
 def test_the_encoder_chosen_by_minutes_and_said() -> None:
