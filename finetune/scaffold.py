@@ -170,8 +170,10 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
     return s
 
 
-def sniff_records(path: Path, fmt: str | None = None, limit: int = 4000) -> Sniffed:
-    """jsonl/json/parquet (by extension, or `fmt`): records with named fields.
+def sniff_records(path: Path, fmt: str | None = None, limit: int = 64 << 20) -> Sniffed:
+    """jsonl/json/parquet (by extension, or `fmt`): records with named fields, the whole file (jsonl: up to `limit`
+    bytes, parquet: up to `limit` // 256 rows) so that every label is seen, as `sniff_table` does; a file sorted
+    by label showed init only its first classes when the first 4,000 records were read.
 
     Raises:
         UserError: unreadable records, or records that are not objects.
@@ -181,11 +183,15 @@ def sniff_records(path: Path, fmt: str | None = None, limit: int = 4000) -> Snif
         if suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            records = pq.read_table(path).slice(0, limit).to_pylist()
+            records = pq.read_table(path).slice(0, limit // 256).to_pylist()
         elif suffix == ".jsonl":
-            records = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()[:limit] if x.strip()]
+            with path.open("rb") as f:
+                raw = f.read(limit)
+            if len(raw) == limit:
+                raw = raw[: raw.rfind(b"\n") + 1]  # a line cut at the limit
+            records = [json.loads(x) for x in raw.decode("utf-8").splitlines() if x.strip()]
         else:
-            records = json.loads(path.read_text(encoding="utf-8"))[:limit]
+            records = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, OSError, TypeError) as exc:
         raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
     if not records or not all(isinstance(r, dict) for r in records):

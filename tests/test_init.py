@@ -458,3 +458,14 @@ def test_init_max_length_stays_within_the_models_positions(tmp_path: Path, capfd
     assert _init(path, out, "--model", str(model)) == 0
     assert load_config(out).data.max_length == 64
     assert "cut to 64 (the model's position limit)" in capfd.readouterr().err
+
+
+def test_init_sees_every_label_of_a_records_file_sorted_by_label(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    # 5 labels x 1,000 rows in label order: the first 4,000 records (what init once read) hold only 4 of them
+    rows = [{"text": f"item {i} of {label}", "label": label} for label in "abcde" for i in range(1000)]
+    path = tmp_path / "sorted.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "sorted.yaml"
+    assert cli_main(["init", str(path), "-o", str(out), "--no-budget"]) == 0
+    err = capfd.readouterr().err
+    assert "5 classes, one per text" in err and "5 classes, 900 training rows a class" in err
