@@ -61,7 +61,7 @@ def overrides(out: Path, rows: int, seed: int) -> list[str]:
     ]
 
 
-def child_finetune(rows: int, seed: int, config: Path = CONFIG) -> dict[str, Any]:
+def child_finetune(rows: int, seed: int, config: Path = CONFIG, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     from finetune import memory
     from finetune.fileio import read_jsonl
     from finetune.train import main
@@ -72,7 +72,7 @@ def child_finetune(rows: int, seed: int, config: Path = CONFIG) -> dict[str, Any
 
     with tempfile.TemporaryDirectory(prefix="bench-dec-ft-") as tmp:
         run = Path(tmp) / "run"
-        assert main(["--config", str(config), *overrides(run, rows, seed)]) == 0
+        assert main(["--config", str(config), *overrides(run, rows, seed), *extra]) == 0
         metrics = read_jsonl(run / "metrics.jsonl")
         last = [r for r in metrics if "samples_per_s" in r][-1]
         acc = json.loads((run / "eval.json").read_text())["accuracy"]
@@ -265,9 +265,42 @@ def child_finetune_trim(rows: int, seed: int) -> dict[str, Any]:
     return child_finetune(rows, seed)
 
 
+def child_finetune_first(rows: int, seed: int) -> dict[str, Any]:
+    """finetune with each epoch's heaviest window moved to the second step (issue 45's lead: with length-grouped
+    windows the heap grows step by step as longer windows arrive, each growth around live allocations; the
+    heaviest early sets the heap's extent once, as the transformers Trainer's LengthGroupedSampler puts its
+    longest batch first; second, not first, so the memory report's one sampled window after the first
+    optimizer step is the heaviest)."""
+    from finetune import window
+
+    batches = window.WindowedBatchSampler.batches
+
+    def heaviest_first(self: Any) -> list[list[int]]:
+        out = batches(self)
+        g = self.accumulation
+        windows = [out[w : w + g] for w in range(0, len(out), g)]
+        full = [i for i, w in enumerate(windows) if sum(map(len, w)) == self.batch_size * g]
+        if not full:
+            return out
+        top = max(full, key=lambda i: max(len(b) * max(self.lengths[j] for j in b) for b in windows[i]))
+        windows.insert(min(1, len(full) - 1), windows.pop(top))
+        return [b for w in windows for b in w]
+
+    window.WindowedBatchSampler.batches = heaviest_first  # type: ignore[method-assign]
+    return child_finetune(rows, seed)
+
+
+def child_finetune_random(rows: int, seed: int) -> dict[str, Any]:
+    """finetune without length grouping (random batches, as the bench's Trainer has): is the excess from the
+    windows' changing shapes?"""
+    return child_finetune(rows, seed, extra=("data.group_by_length=false",))
+
+
 CHILDREN = {
     "finetune": child_finetune,
     "finetune_trim": child_finetune_trim,
+    "finetune_first": child_finetune_first,
+    "finetune_random": child_finetune_random,
     "minilm": lambda rows, seed: child_finetune(rows, seed, ROOT / "configs" / "sst2-minilm.yaml"),
     "trainer": child_trainer,
 }
