@@ -18,7 +18,7 @@ import torch
 
 from finetune.config import Config
 from finetune.errors import UserError
-from finetune.peak import autocast_context, train_window
+from finetune.peak import autocast_context, step_and_zero, train_micro_step
 from finetune.planner import build_for_planning
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 
@@ -227,32 +227,49 @@ def parameter_count(config: Any) -> int | None:
     return int(vocab * h + layers * 12 * h * h)
 
 
+# rows x tokens of the micro-batch timed on a CPU: its matrix products are already at full throughput there, so
+# a larger micro-batch takes proportionally longer; timing the written one took minutes and gigabytes on long rows
+TIMED_TOKENS = 1024
+
+
 def step_seconds(
     cfg: Config, label_names: list[str], tokenizer: Any, micro: int, accumulation: int, length: int | None = None
 ) -> float:
     """Seconds of one training step (forward, backward, AdamW) of `cfg`'s model at `micro` x `length` tokens
     (data.max_length without it) x `accumulation`, timed on this machine (its GPU when there is one, as training
-    will run): the fastest of two steps after one to warm up."""
+    will run). A CPU times one micro-batch of about TIMED_TOKENS tokens (never more rows than `micro`) and scales
+    its forward and backward by the rows of the window; the optimizer step is timed once, as it runs once. The
+    fastest of two timings after one to warm up."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, optimizer = build_for_planning(cfg, label_names, tokenizer, device=device)
     model.to(device).train()
     length = length or cfg.data.max_length
+    rows = micro if device == "cuda" else min(micro, max(1, TIMED_TOKENS // length))
     generator = torch.Generator().manual_seed(0)
     vocab = int(getattr(tokenizer, "vocab_size", 1000))
     batch = {
-        "input_ids": torch.randint(0, vocab, (micro, length), generator=generator),
-        "attention_mask": torch.ones(micro, length, dtype=torch.long),
-        "labels": torch.zeros(micro, dtype=torch.long),
+        "input_ids": torch.randint(0, vocab, (rows, length), generator=generator),
+        "attention_mask": torch.ones(rows, length, dtype=torch.long),
+        "labels": torch.zeros(rows, dtype=torch.long),
     }
     batch = {k: v.to(device) for k, v in batch.items()}
+    autocast = autocast_context(cfg.precision.mode)
+    scale = accumulation * micro / rows  # micro-batches of `rows` in one window
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        train_window(model, optimizer, [batch] * accumulation, autocast_context(cfg.precision.mode), None)
-        if device == "cuda":
-            torch.cuda.synchronize()  # kernels run asynchronously: the step ends when they do
-        times.append(time.perf_counter() - start)
+        train_micro_step(model, batch, autocast, 1.0 / (rows * accumulation))
+        _sync(device)  # kernels run asynchronously: a phase ends when they do
+        middle = time.perf_counter()
+        step_and_zero(model, optimizer, None)
+        _sync(device)
+        times.append(scale * (middle - start) + time.perf_counter() - middle)
     return min(times[1:])
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def train_keys(

@@ -103,6 +103,39 @@ def test_init_times_a_step_of_the_model_and_writes_a_budget(tmp_path: Path, capf
     assert "rows of 8 tokens, their mean length" in err and "max_length 32" in err
 
 
+def test_long_rows_are_timed_on_fewer_rows_and_scaled_to_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a fake clock: each micro-step takes 0.01 s a row, each optimizer step 0.5 s; the estimate must be the window's
+    # micro-steps (2 x 16 rows of 512 tokens) and one optimizer step, from micro-batches of 1,024 // 512 = 2 rows
+    from finetune import recipe
+
+    now, rows_seen = [0.0], []
+
+    def micro_step(model: object, batch: dict, autocast: object, scale: float) -> None:
+        rows_seen.append(tuple(batch["input_ids"].shape))
+        now[0] += 0.01 * batch["input_ids"].shape[0]
+
+    def optimizer_step(*args: object) -> None:
+        now[0] += 0.5
+
+    monkeypatch.setattr(recipe, "train_micro_step", micro_step)
+    monkeypatch.setattr(recipe, "step_and_zero", optimizer_step)
+    monkeypatch.setattr(recipe, "build_for_planning", lambda *a, **k: (torch_module(), None))
+    monkeypatch.setattr(recipe.time, "perf_counter", lambda: now[0])
+    cfg = load_config("configs/tiny-debug.yaml")
+    seconds = step_seconds(cfg, ["a", "b"], object(), micro=16, accumulation=2, length=512)
+    assert rows_seen == [(2, 512)] * 3  # warm-up and two timings
+    assert seconds == pytest.approx(2 * 16 * 0.01 + 0.5)
+    rows_seen.clear()
+    assert step_seconds(cfg, ["a", "b"], object(), micro=8, accumulation=1, length=32) == pytest.approx(8 * 0.01 + 0.5)
+    assert rows_seen == [(8, 32)] * 3  # short rows: the written micro-batch itself
+
+
+def torch_module() -> object:
+    import torch
+
+    return torch.nn.Linear(1, 1)
+
+
 def test_the_encoder_chosen_by_minutes_and_said() -> None:
     timed = {"minilm-l6": (4.2, 0.21), "mpnet-base": (31.0, 1.93)}
     assert choose_encoder(timed, None) == "minilm-l6"  # no budget: the default
