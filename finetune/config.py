@@ -35,12 +35,10 @@ _PROBLEM_TYPES = tuple(PROBLEM_TYPES)
 _METRICS = tuple(METRICS)
 
 
-# Resume compares the checkpoint's config with the current one key by key (`checkpoint.config_differences`)
-# and refuses any difference, in a newly added key too: a changed value may change the trained weights.
-# A key that cannot (where files are, intervals, workers, what a sweep searches) is declared
-# `json_schema_extra=MAY_CHANGE_ON_RESUME` beside its default, and `keys_that_may_change_on_resume()`
-# collects them. Only `section.key` fields are declared: resume compares a nested value (model.lora,
-# sweep.space) as one.
+# Resume refuses any difference between the checkpoint's config and this one (`checkpoint.config_differences`), in
+# a newly added key too: a changed value may change the weights. A key that cannot (where files are, intervals,
+# workers, what a sweep searches) is declared `json_schema_extra=MAY_CHANGE_ON_RESUME` beside its default
+# (`keys_that_may_change_on_resume()` collects them); a nested value (model.lora, sweep.space) compares as one.
 MAY_CHANGE_ON_RESUME: dict[str, Any] = {"resume": "may_change"}
 
 
@@ -550,6 +548,13 @@ class MemoryConfig(_Section):
         "times slower (a fixed cost, not per step); false: memory.json has the measured peaks only",
         json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
+    lean_heaviest_window: bool = Field(
+        True,
+        description="on a CPU with glibc, hand the heap's free pages back before each epoch's heaviest window and "
+        "give its large blocks mappings of their own (freed at once): a lower peak RSS for that window's page "
+        "faults; false: glibc's defaults throughout",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
 
 
 class LogConfig(_Section):
@@ -690,14 +695,11 @@ class Config(_Section):
         # keys; with both given they must agree (the process count is checked at launch, window.resolve_batch)
         given = t.model_fields_set
         if t.batch_size is not None and t.micro_batch_size != "auto" and "micro_batch_size" in given:
-            per_window = int(t.micro_batch_size) * (
-                t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else 1
-            )
-            if t.batch_size % per_window:
-                accumulation = t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else "derived"
+            g = t.gradient_accumulation_steps if "gradient_accumulation_steps" in given else None
+            if t.batch_size % (int(t.micro_batch_size) * (g or 1)):
                 raise ValueError(
                     f"train.batch_size={t.batch_size} must equal train.micro_batch_size ({t.micro_batch_size}) x "
-                    f"train.gradient_accumulation_steps ({accumulation}) x processes"
+                    f"train.gradient_accumulation_steps ({g or 'derived'}) x processes"
                 )
         return self
 

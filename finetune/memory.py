@@ -16,9 +16,13 @@ finetune/peak.py); this module only measures a real run. `PeakTracker` here is s
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +96,48 @@ def _reset_vm_hwm() -> bool:
         return True
     except OSError:
         return False
+
+
+# glibc's mallopt parameter and values (malloc.h): below the threshold a block comes from the heap, above it it is
+# a mapping of its own, unmapped when freed; glibc raises the threshold by itself up to 32 MiB on 64-bit
+M_MMAP_THRESHOLD = -3
+LEAN_MMAP_THRESHOLD = 128 * 1024  # glibc's starting value
+DYNAMIC_MMAP_CEILING = 32 * 1024 * 1024
+
+
+@functools.cache
+def _glibc() -> Any:
+    """glibc through ctypes, or None under another C library (macOS, musl, Windows)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
+        return libc
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+@contextlib.contextmanager
+def lean_heap(active: bool) -> Iterator[None]:
+    """Around the epoch's heaviest training window on a CPU: the heap's free pages handed back
+    (`malloc_trim(0)`) and the mmap threshold pinned at 128 KiB, then set to 32 MiB after it.
+
+    After the first windows glibc serves activations from its heap (its threshold has risen to the
+    largest block freed), and the heaviest window's temporaries of many sizes, freed and reallocated
+    while its saved activations stay live, leave free chunks resident above the tensors in use.
+    Pinned, each large block is its own mapping and returns to the system when freed, at the price of
+    page faults in that one window (docs/MEMORY.md, issue 45). Nothing happens when not `active` or
+    outside glibc.
+    """
+    libc = _glibc() if active else None
+    if libc is None:
+        yield
+        return
+    libc.malloc_trim(0)
+    libc.mallopt(M_MMAP_THRESHOLD, LEAN_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, DYNAMIC_MMAP_CEILING)
 
 
 def current_rss_bytes() -> int:

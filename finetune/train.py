@@ -163,6 +163,7 @@ class Run:
     outputs: dict[str, Outputs] = field(default_factory=dict)  # each split's latest evaluation, per text
     report: Callable[[int, dict[str, Any]], None] | None = None  # train()'s `report`
     budget: TimeBudget = None  # type: ignore[assignment]  # train.max_minutes, its clock started with the loop
+    lean_step: int | None = None  # the epoch's heaviest window's step, run under memory.lean_heap
 
     @property
     def metrics_file(self) -> Path:
@@ -274,7 +275,8 @@ def train(
             loader = epoch_loader(run, progress)
             batches = iter(loader)
             while progress.step < total_steps and not progress.finished:
-                outcome = run_window(run, progress, batches, sums)
+                with mem.lean_heap(progress.step + 1 == run.lean_step):
+                    outcome = run_window(run, progress, batches, sums)
                 if outcome == "epoch_end":
                     progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
                     release_cached_memory(cfg.precision.empty_cache, accelerator.device)
@@ -337,13 +339,16 @@ def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> Trai
 
 
 def epoch_loader(run: Run, progress: TrainingProgress) -> Any:
-    """The epoch's loader, past the micro-batches already consumed (a resumed or retried epoch)."""
+    """The epoch's loader, past the micro-batches already consumed (a resumed or retried epoch); on a CPU the
+    step of its heaviest window, whose heap `memory.lean_heap` keeps lean (memory.lean_heaviest_window)."""
     b = progress.batches_in_epoch
     loader = run.accelerator.skip_first_batches(run.train_loader, b) if b else run.train_loader
     # Accelerate's loader sets the sampler's epoch to its own count of iter() calls; a resumed
     # run has a fresh count, so set both explicitly (same data order as an uninterrupted run)
     loader.set_epoch(progress.epoch)
     run.sampler.set_epoch(progress.epoch)
+    lean = run.cfg.memory.lean_heaviest_window and run.accelerator.device.type == "cpu"
+    run.lean_step = heaviest_step(run.sampler, progress, run.total_steps) if lean else None
     return loader
 
 

@@ -296,11 +296,18 @@ def child_finetune_random(rows: int, seed: int) -> dict[str, Any]:
     return child_finetune(rows, seed, extra=("data.group_by_length=false",))
 
 
+def child_finetune_glibc(rows: int, seed: int) -> dict[str, Any]:
+    """finetune with glibc's malloc defaults throughout (memory.lean_heaviest_window=false): the peak before
+    issue 45's lean heaviest window."""
+    return child_finetune(rows, seed, extra=("memory.lean_heaviest_window=false",))
+
+
 CHILDREN = {
     "finetune": child_finetune,
     "finetune_trim": child_finetune_trim,
     "finetune_first": child_finetune_first,
     "finetune_random": child_finetune_random,
+    "finetune_glibc": child_finetune_glibc,
     "minilm": lambda rows, seed: child_finetune(rows, seed, ROOT / "configs" / "sst2-minilm.yaml"),
     "trainer": child_trainer,
 }

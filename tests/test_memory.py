@@ -276,3 +276,81 @@ def test_breakdown_off_samples_nothing_and_says_so() -> None:
     monitor.end_sample()
     rep = monitor.report(2)
     assert rep["memtracker_peak"] is None and rep["breakdown_method"].endswith("not sampled: memory.breakdown is false")
+
+
+# A heaviest window in miniature, in a fresh process (glibc's threshold is per process and stays set): earlier
+# windows have raised the mmap threshold (a freed 8 MiB mapping), then the window's 4 MiB temporaries are freed
+# between small blocks that stay live, and larger ones follow. With glibc's defaults the freed 4 MiB chunks stay
+# resident under the larger ones; under lean_heap each is its own mapping, unmapped when freed.
+_HEAVY_WINDOW = """
+import json, re
+from pathlib import Path
+import torch
+from finetune import memory
+
+MIB = 1 << 20
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+def window():
+    start, live, temps = rss(), [], []
+    for _ in range(20):
+        temps.append(torch.ones(4 * MIB, dtype=torch.uint8))
+        live.append(torch.ones(MIB // 4, dtype=torch.uint8))
+    temps.clear()
+    temps = [torch.ones(6 * MIB, dtype=torch.uint8) for _ in range(20)]
+    return (rss() - start) / MIB
+
+raised = torch.ones(8 * MIB, dtype=torch.uint8)
+del raised
+default = window()
+memory._glibc().malloc_trim(0)
+with memory.lean_heap(True):
+    lean = window()
+print(json.dumps({"default": default, "lean": lean}))
+"""
+
+
+def test_lean_heap_returns_a_window_s_freed_blocks_to_the_system() -> None:
+    import subprocess
+    import sys
+
+    if mem._glibc() is None:
+        pytest.skip("lean_heap acts on glibc only (this C library is another)")
+    out = subprocess.run([sys.executable, "-c", _HEAVY_WINDOW], capture_output=True, text=True, check=True, cwd=ROOT)
+    grown = json.loads(out.stdout)
+    in_use = 20 * 6 + 20 / 4  # MiB of tensors alive at the window's end
+    assert grown["lean"] < in_use + 20  # the freed 4 MiB blocks were unmapped
+    assert grown["default"] > in_use + 60  # and glibc's defaults keep them resident: what the switch removes
+
+
+@pytest.mark.slow
+def test_lean_heap_wraps_each_epoch_s_heaviest_window_only(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the windows as the loop ran them (the micro-batch shapes it noted), and which ran lean
+    import contextlib
+
+    windows: list[dict[str, Any]] = []
+
+    @contextlib.contextmanager
+    def lean_heap(active: bool) -> Any:
+        windows.append({"active": active, "shapes": []})
+        yield
+
+    monkeypatch.setattr(mem, "lean_heap", lean_heap)
+    monkeypatch.setattr(mem.MemoryMonitor, "note_batch", lambda self, shape: windows[-1]["shapes"].append(shape))
+    updates = {"data.max_train_samples": 64, "data.max_eval_samples": 16, "train.epochs": 2}
+    cfg = write_tiny_config(tmp_path, updates | {"train.micro_batch_size": 8, "train.gradient_accumulation_steps": 2})
+    assert train_main(["--config", str(cfg)]) == 0
+    ran = [w for w in windows if w["shapes"]]  # an epoch's last call finds no batch left
+    assert len(ran) == 8
+    for epoch in (ran[:4], ran[4:]):
+        padded = [max(s[0] * s[1] for s in w["shapes"]) for w in epoch]  # rows x longest row, per micro-batch
+        heaviest = padded.index(max(padded))  # the earliest on a tie
+        assert [w["active"] for w in epoch] == [i == heaviest for i in range(4)], padded
+
+    cfg = write_tiny_config(tmp_path, updates | {"memory.lean_heaviest_window": False}, name="off.yaml")
+    windows.clear()
+    assert train_main(["--config", str(cfg), "run.overwrite=true"]) == 0
+    assert windows and not any(w["active"] for w in windows)
