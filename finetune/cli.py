@@ -313,7 +313,7 @@ def _cmd_init(argv: list[str]) -> int:
         help="write no time budget (train.max_minutes), so no training step is timed on this machine",
     )
     args = parser.parse_args(argv)
-    from finetune.scaffold import init_config
+    from finetune.initconfig import init_config
 
     data = Path(args.data)
     out = Path(args.output or f"{data.resolve().stem if data.is_file() else data.resolve().name}.yaml")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,8 +36,13 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 # Per-model changes to that recipe. all-mpnet-base-v2 (12 layers of 768, about 6 times MiniLM's work a row):
 # the sentence-transformers fine-tuning rate, at most 3 epochs, and micro-batches of at most 4,096 tokens
-# (the planner: 4.8 GiB of tensors at 32 x 128 in fp32), accumulated back to an effective batch of 32.
-MODEL_RECIPES: dict[str, dict[str, Any]] = {"mpnet-base": {"learning_rate": 2e-5, "max_epochs": 3, "tokens": 4096}}
+# (the planner: 4.8 GiB of tensors at 32 x 128 in fp32), accumulated back to an effective batch of 32; bf16
+# autocast where the machine has bf16 units (`bf16_units`): faster steps there, with MRPC and STS-B at their
+# goals (docs/BENCHMARKS.md, issue 42).
+MODEL_RECIPES: dict[str, dict[str, Any]] = {
+    "mpnet-base": {"learning_rate": 2e-5, "max_epochs": 3, "tokens": 4096, "bf16": True}
+}
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of x86 bf16 matrix units
 
 # Single-label: each class seen about this many times over the run bounds the epochs (within EPOCHS); more
 # rows than that a class need fewer passes, and early stopping ends a run that stopped improving before the bound
@@ -87,6 +93,29 @@ def encoders_note(
         f"estimated run time on this machine by encoder (fastest first{later}; the epochs bound at a step timed "
         "here, early stopping may end sooner): " + "; ".join(parts) + (f"; chose {chosen}: {why}" if why else "")
     )
+
+
+def bf16_units(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """What runs bf16 matrix products natively here (the GPU training will use, else a CPU flag of
+    CPU_BF16_FLAGS), None when nothing does: elsewhere bf16 is emulated and slower than fp32."""
+    if torch.cuda.is_available():
+        return "the GPU" if torch.cuda.is_bf16_supported() else None
+    try:
+        flags = set(cpuinfo.read_text(errors="replace").split())
+    except OSError:
+        return None
+    return next((f"the CPU ({flag})" for flag in CPU_BF16_FLAGS if flag in flags), None)
+
+
+def precision_mode(model: str) -> tuple[str | None, str]:
+    """(precision.mode, why) for `model` on this machine: bf16 where its MODEL_RECIPES entry asks for it and
+    `bf16_units` finds hardware for it; (None, why not) keeps the schema's fp32."""
+    if not MODEL_RECIPES.get(model, {}).get("bf16"):
+        return None, ""
+    units = bf16_units()
+    if units is None:
+        return None, f"precision fp32: no bf16 units found here, where {model} would take bf16 autocast"
+    return "bf16", f"precision bf16 autocast: {units} runs bf16 natively, faster steps than fp32 for {model}"
 
 
 def recipe(problem_type: str, n_train: int, model: str = "minilm-l6") -> dict[str, Any]:

@@ -302,12 +302,19 @@ def child_finetune_glibc(rows: int, seed: int) -> dict[str, Any]:
     return child_finetune(rows, seed, extra=("memory.lean_heaviest_window=false",))
 
 
+def child_finetune_nobreakdown(rows: int, seed: int) -> dict[str, Any]:
+    """finetune without MemTracker's sampled windows (memory.breakdown=false): what the memory report's two
+    sampled windows (a torch dispatch mode on every op) cost a short run."""
+    return child_finetune(rows, seed, extra=("memory.breakdown=false",))
+
+
 CHILDREN = {
     "finetune": child_finetune,
     "finetune_trim": child_finetune_trim,
     "finetune_first": child_finetune_first,
     "finetune_random": child_finetune_random,
     "finetune_glibc": child_finetune_glibc,
+    "finetune_nobreakdown": child_finetune_nobreakdown,
     "minilm": lambda rows, seed: child_finetune(rows, seed, ROOT / "configs" / "sst2-minilm.yaml"),
     "trainer": child_trainer,
 }

@@ -23,9 +23,10 @@ A row's data is written once under --work as train/dev/test .jsonl files init re
 AG News class-balanced sample, seeded stratified 80/20 splits of SMS Spam and BBC News, MRPC's train/dev and
 its labelled test file, an SST-2 sample with the dev set as validation and the SentEval test set as test);
 `finetune init` writes the config (column `today`: init as of commit TODAY_COMMIT, run from a `git archive` of
-it; `new`: this tree), which trains unedited but for the output directory and seed; `hand` is today's config
-with the row's HAND overrides. The score is test accuracy (a split no column trains or selects on), with its
-bootstrap interval from eval.json; the wall time is the `finetune/train.py` child's.
+it; `new`: this tree; `mpnet`: this tree with `--model mpnet-base`), which trains unedited but for the output
+directory and seed; `hand` is today's config with the row's HAND overrides. The score is test accuracy (a split
+no column trains or selects on), with its bootstrap interval from eval.json; the wall time is the
+`finetune/train.py` child's.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ VARIANTS = {
 DATA = Path(os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
 TODAY_COMMIT = "c4f1520"  # finetune init's recipe before issue 41 (a table of epochs by rows, lr 1e-4)
 ROWS = ("trec50", "ag2k", "ag8k", "sms", "bbc", "mrpc", "sst2-4k")
+COLUMNS = ("today", "new", "hand", "mpnet")  # mpnet: this tree's init with --model mpnet-base (issue 42)
 # the best hand configuration found per row: overrides of today's init config
 HAND: dict[str, list[str]] = {
     "trec50": ["train.epochs=10"],
@@ -154,8 +156,9 @@ def prepare(row: str, work: Path) -> Path:
     return folder
 
 
-def init(folder: Path, out: Path, today: bool, work: Path) -> str:
-    """`finetune init FOLDER -o OUT` with this tree's init, or with TODAY_COMMIT's (from a git archive); its notes."""
+def init(folder: Path, out: Path, today: bool, work: Path, model: str | None = None) -> str:
+    """`finetune init FOLDER -o OUT [--model MODEL]` with this tree's init, or with TODAY_COMMIT's (from a git
+    archive); its notes."""
     src = ROOT
     if today:
         src = work / f"init-{TODAY_COMMIT}"
@@ -166,9 +169,11 @@ def init(folder: Path, out: Path, today: bool, work: Path) -> str:
             )
             subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     code = (
-        f"import sys; sys.path.insert(0, {str(src)!r}); from finetune.scaffold import init_config; "
+        f"import sys; sys.path.insert(0, {str(src)!r}); "
+        "try:\n from finetune.initconfig import init_config\n"  # scaffold.py held it until session 20
+        "except ImportError:\n from finetune.scaffold import init_config\n"
         f"print('\\n'.join(init_config(__import__('pathlib').Path({str(folder)!r}), "
-        f"__import__('pathlib').Path({str(out)!r}), force=True)))"
+        f"__import__('pathlib').Path({str(out)!r}), force=True{f', model={model!r}' if model else ''})))"
     )
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
@@ -178,7 +183,7 @@ def cell(row: str, column: str, seed: int, work: Path, results: Path) -> dict[st
     folder = prepare(row, work)
     cfg = work / "configs" / f"{row}-{column}.yaml"
     cfg.parent.mkdir(parents=True, exist_ok=True)
-    notes = init(folder, cfg, column != "new", work)
+    notes = init(folder, cfg, column not in ("new", "mpnet"), work, "mpnet-base" if column == "mpnet" else None)
     extra = HAND[row] if column == "hand" else []
     r = train_run(cfg, [f"run.seed={seed}", *extra], work / "runs" / f"{row}-{column}-{seed}")
     test = r.eval["test"]
@@ -203,18 +208,21 @@ def cell(row: str, column: str, seed: int, work: Path, results: Path) -> dict[st
 
 
 def table(results: Path) -> str:
-    """The markdown table: per row and column, median test accuracy [interval of the median run], wall s."""
+    """The markdown table: per row and column, median test accuracy [interval of the median run], wall s; the
+    `mpnet` column (init --model mpnet-base) only when one of its cells ran."""
     cells: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for line in results.read_text().splitlines():
         c = json.loads(line)
         cells[(c["row"], c["column"])].append(c)
+    columns = [c for c in COLUMNS if c != "mpnet" or any(k[1] == c for k in cells)]
+    heads = {"today": "today's init", "new": "new init", "hand": "best hand", "mpnet": "init --model mpnet-base"}
     lines = [
-        "| data | today's init: acc [95% CI], s | new init: acc [95% CI], s | best hand: acc [95% CI], s | seeds |",
-        "|---|---|---|---|---|",
+        "| data | " + " | ".join(f"{heads[c]}: acc [95% CI], s" for c in columns) + " | seeds |",
+        "|---|" + "---|" * (len(columns) + 1),
     ]
     for row in ROWS:
         parts, seeds = [], set()
-        for column in ("today", "new", "hand"):
+        for column in columns:
             runs = sorted(cells.get((row, column), []), key=lambda c: c["accuracy"])
             if not runs:
                 parts.append("not run")
@@ -231,7 +239,7 @@ def table(results: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--row", choices=ROWS, help="issue 41: one row of the init-recipe table")
-    parser.add_argument("--column", choices=("today", "new", "hand"), default="new")
+    parser.add_argument("--column", choices=COLUMNS, default="new")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--results", default="/tmp/bench_recipes_rows.jsonl")
     parser.add_argument("--table", action="store_true", help="print the init-recipe table from --results")

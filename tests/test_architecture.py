@@ -47,6 +47,7 @@ LAYERS = [
     "card",
     "recipe",
     "scaffold",
+    "initconfig",
     "export",
     "nodes",
     "assemble",

@@ -15,10 +15,10 @@ import yaml
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
 from finetune.data import build_data
+from finetune.initconfig import load_config_for_tokenizer
 from finetune.model import build_tokenizer, resolve_model_path
 from finetune.reading import load_raw_splits
 from finetune.recipe import recipe
-from finetune.scaffold import load_config_for_tokenizer
 from finetune.tasks import MULTI, REGRESSION, SINGLE
 from finetune.train import main as train_main
 

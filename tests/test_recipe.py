@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from finetune import recipe as recipe_module
 from finetune.cli import main as cli_main
 from finetune.config_io import load_config
 from finetune.errors import UserError
+from finetune.initconfig import init_config
 from finetune.recipe import Shape, adaptive, choose_encoder, encoders_note, step_seconds
-from finetune.scaffold import init_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,11 +79,13 @@ def test_init_on_many_small_classes_writes_and_says_the_recipe(tmp_path: Path, c
 
 
 @pytest.mark.slow
-def test_init_times_a_step_of_the_model_and_writes_a_budget(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+def test_init_times_a_step_of_the_model_and_writes_a_budget(
+    tmp_path: Path, capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
+    from finetune.initconfig import load_config_for_tokenizer
     from finetune.model import build_tokenizer, resolve_model_path
-    from finetune.scaffold import load_config_for_tokenizer
 
     model = tmp_path / "model"  # a tiny BERT with the default vocab: a step takes milliseconds
     AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6")).save_pretrained(model)
@@ -101,6 +104,27 @@ def test_init_times_a_step_of_the_model_and_writes_a_budget(tmp_path: Path, capf
     assert "time budget 5 minutes (train.max_minutes)" in err
     # each row is 7 tokens ([CLS] word ##3 and word ##1 [SEP]): timed at 8 (1.1x the mean, to 8), not max_length 32
     assert "rows of 8 tokens, their mean length" in err and "max_length 32" in err
+    assert cfg.precision.mode == "fp32" and "precision" not in err  # no bf16 entry for this model: nothing said
+
+    # a model whose recipe asks for bf16 (as mpnet-base's does): written where bf16 units are found, said where not
+    monkeypatch.setitem(recipe_module.MODEL_RECIPES, str(model), {"bf16": True})
+    for units, mode in (("the CPU (amx_bf16)", "bf16"), (None, "fp32")):
+        monkeypatch.setattr(recipe_module, "bf16_units", lambda u=units: u)
+        assert cli_main(["init", str(tmp_path / "small.csv"), "-o", str(out), "--model", str(model), "--force"]) == 0
+        err = capfd.readouterr().err
+        assert load_config(out).precision.mode == mode
+        assert ("precision bf16 autocast: the CPU (amx_bf16)" in err) == (mode == "bf16")
+        assert ("precision fp32: no bf16 units found here" in err) == (mode == "fp32")
+
+
+def test_bf16_units_read_from_the_cpu_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recipe_module.torch.cuda, "is_available", lambda: False)
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512bw\n")
+    assert recipe_module.bf16_units(info) is None  # AVX-512 without its bf16 extension: emulated, not faster
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    assert recipe_module.bf16_units(info) == "the CPU (avx512_bf16)"
+    assert recipe_module.bf16_units(tmp_path / "missing") is None
 
 
 def test_long_rows_are_timed_on_fewer_rows_and_scaled_to_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,8 +216,7 @@ def test_init_without_a_model_times_each_encoder_and_fits_the_minutes(
 ) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
-    from finetune import recipe as recipe_module
-    from finetune import scaffold
+    from finetune import initconfig
     from finetune.model import resolve_model_path
 
     aliases = []
@@ -204,7 +227,7 @@ def test_init_without_a_model_times_each_encoder_and_fits_the_minutes(
         AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
         aliases.append(str(folder))
     monkeypatch.setattr(recipe_module, "ENCODERS", tuple(aliases))
-    monkeypatch.setattr(scaffold, "ENCODERS", tuple(aliases))
+    monkeypatch.setattr(initconfig, "ENCODERS", tuple(aliases))
     (tmp_path / "d.csv").write_text(
         "text,label\n" + "".join(f"word{i % 7} and word{i % 3},{i % 2}\n" for i in range(60))
     )
