@@ -169,7 +169,7 @@ def init(folder: Path, out: Path, today: bool, work: Path, model: str | None = N
             )
             subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     code = (
-        f"import sys; sys.path.insert(0, {str(src)!r}); "
+        f"import sys\nsys.path.insert(0, {str(src)!r})\n"
         "try:\n from finetune.initconfig import init_config\n"  # scaffold.py held it until session 20
         "except ImportError:\n from finetune.scaffold import init_config\n"
         f"print('\\n'.join(init_config(__import__('pathlib').Path({str(folder)!r}), "
