@@ -208,7 +208,7 @@ def init_config(
         train["max_minutes"] = minutes
     data |= more_data
     own = MODEL_RECIPES.get(model)
-    if micro != 32 and own:
+    if micro != 32 and own and own.get("tokens"):
         s.notes.append(
             f"micro_batch_size {micro} x gradient_accumulation_steps {accumulation}: at most {own['tokens']:,} "
             f"tokens a micro-batch for {model}"
