@@ -15,11 +15,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from finetune.config import TrainConfig
 from finetune.config_io import load_config, validate_config
 from finetune.errors import UserError
 from finetune.formats import count_rows
 from finetune.model import build_tokenizer, model_config, row_limit
+from finetune.peak import GiB, margin_bytes
+from finetune.planner import default_device, predict_peak
 from finetune.recipe import (
     ENCODERS,
     KINDS,
@@ -154,6 +158,53 @@ def _estimate(alias: str, s: Sniffed, data: dict[str, Any], splits: dict[str, Pa
         s.notes[:] = notes  # the chosen model's own notes come later
 
 
+def available_bytes(device: str, meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Memory a run can have here: the GPU's total, else the system's MemAvailable (None: not readable)."""
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[1])
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def fit_micro_batch(cfg: Any, tok: Any, labels: list[str], micro: int, accumulation: int) -> tuple[int, int, str]:
+    """(micro-batch, accumulation, note): the planner's peak (with its margin) of a window at data.max_length, the
+    micro-batch halved and the accumulation doubled until it fits the memory available here (`available_bytes`)."""
+    device = default_device()
+    have = available_bytes(device)
+    while True:
+        m = predict_peak(cfg, micro, accumulation, tok, labels, device=device)
+        need = m.peak_bytes + margin_bytes(m.peak_bytes, device)
+        if have is None or need <= have or micro == 1:
+            break
+        micro, accumulation = micro // 2, accumulation * 2
+    where = "unknown memory here" if have is None else f"{have / GiB:.1f} GiB available here ({device})"
+    fits = have is None or need <= have
+    note = (
+        f"planned peak {need / GiB:.2f} GiB (`finetune plan`: tensors of a window of {micro} x "
+        f"{cfg.data.max_length} tokens, x{accumulation} accumulated, {cfg.precision.mode}"
+        + (", with the CUDA margin" if device == "cuda" else "; the process adds its own libraries on a CPU")
+        + f") against {where}"
+        + ("" if fits else ": does not fit even one row a micro-batch; see `finetune plan --grid`")
+    )
+    return micro, accumulation, note
+
+
+def _batch_note(model: str, micro: int, accumulation: int, chosen: int) -> str | None:
+    """Why the micro-batch is not 32 rows (None when it is): memory, the model's token budget or long rows."""
+    own = MODEL_RECIPES.get(model, {})
+    if micro < chosen:
+        return f"micro_batch_size {micro} x gradient_accumulation_steps {accumulation}: {chosen} rows did not fit"
+    if micro != 32 and own.get("tokens"):
+        return (
+            f"micro_batch_size {micro} x gradient_accumulation_steps {accumulation}: at most {own['tokens']:,} "
+            f"tokens a micro-batch for {model}"
+        )
+    return f"micro_batch_size {micro}: rows of more than 256 tokens" if micro != 32 else None
+
+
 def init_config(
     data_path: Path,
     out: Path,
@@ -198,23 +249,25 @@ def init_config(
     mode, why_mode = precision_mode(model)
     if why_mode:
         s.notes.append(why_mode)
+    cfg.data.max_length = data["max_length"]
+    cfg.precision.mode = mode or cfg.precision.mode
+    chosen = micro
+    if budget:  # the planner builds the model on fake tensors: seconds, as the timed step below
+        micro, accumulation, plan_note = fit_micro_batch(
+            cfg, tok, sorted(shape.class_rows) or ["a", "b"], micro, accumulation
+        )
+        shape.batch = micro * accumulation
+        s.notes.append(plan_note)
     if budget and problem_type == SINGLE:
-        cfg.data.max_length = data["max_length"]
-        cfg.precision.mode = mode or cfg.precision.mode
         _time_step(shape, cfg, tok, micro, accumulation, s.mean_tokens, steps.get(model))
     train, more_data, checkpoint = train_keys(problem_type, shape, model, micro, accumulation, s.notes)
     if minutes is not None and minutes < train.get("max_minutes", math.inf):  # the user's budget bounds the recipe's
         s.notes.append(f"--minutes {minutes:g}: train.max_minutes {minutes:g} (the recipe's own budget replaced)")
         train["max_minutes"] = minutes
     data |= more_data
-    own = MODEL_RECIPES.get(model)
-    if micro != 32 and own and own.get("tokens"):
-        s.notes.append(
-            f"micro_batch_size {micro} x gradient_accumulation_steps {accumulation}: at most {own['tokens']:,} "
-            f"tokens a micro-batch for {model}"
-        )
-    elif micro != 32:
-        s.notes.append(f"micro_batch_size {micro}: rows of more than 256 tokens")
+    note = _batch_note(model, micro, accumulation, chosen)
+    if note:
+        s.notes.append(note)
     # keys at the schema's default are said in the notes above, not written
     train = {k: v for k, v in train.items() if v != TrainConfig.model_fields[k].default}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -105,6 +105,7 @@ def test_init_times_a_step_of_the_model_and_writes_a_budget(
     # each row is 7 tokens ([CLS] word ##3 and word ##1 [SEP]): timed at 8 (1.1x the mean, to 8), not max_length 32
     assert "rows of 8 tokens, their mean length" in err and "max_length 32" in err
     assert cfg.precision.mode == "fp32" and "precision" not in err  # no bf16 entry for this model: nothing said
+    assert "planned peak" in err and "x 32 tokens, x1 accumulated, fp32" in err  # the window at max_length, planned
 
     # a model whose recipe asks for bf16 (as mpnet-base's does): written where bf16 units are found, said where not
     monkeypatch.setitem(recipe_module.MODEL_RECIPES, str(model), {"bf16": True})
@@ -251,3 +252,29 @@ def test_a_tiny_file_still_gets_a_validation_row_or_a_clear_refusal() -> None:
     assert 0 < r.data["validation_split"] < 1 and r.train["epochs"] == 20
     with pytest.raises(UserError, match="3 training rows: too few"):
         adaptive(Shape(rows=3, class_rows={"a": 2, "b": 1}, pair=False, validation=0))
+
+
+def test_init_halves_the_micro_batch_until_the_plan_fits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from finetune import initconfig
+    from finetune.model import build_tokenizer
+    from finetune.planner import predict_peak
+
+    cfg = load_config("configs/tiny-debug.yaml")
+    tok = build_tokenizer(cfg)
+    full = predict_peak(cfg, 32, 1, tok, ["a", "b"]).peak_bytes
+    half = predict_peak(cfg, 16, 2, tok, ["a", "b"]).peak_bytes
+    assert half < full
+    monkeypatch.setattr(initconfig, "available_bytes", lambda device: (half + full) // 2)
+    micro, accumulation, note = initconfig.fit_micro_batch(cfg, tok, ["a", "b"], 32, 1)
+    assert (micro, accumulation) == (16, 2) and f"planned peak {half / 2**30:.2f} GiB" in note
+    monkeypatch.setattr(initconfig, "available_bytes", lambda device: 1)
+    micro, accumulation, note = initconfig.fit_micro_batch(cfg, tok, ["a", "b"], 32, 1)
+    assert (micro, accumulation) == (1, 32) and note.endswith(
+        "does not fit even one row a micro-batch; see `finetune plan --grid`"
+    )
+
+    monkeypatch.undo()  # the real reader, on a fake /proc/meminfo
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n")
+    assert initconfig.available_bytes("cpu", info) == 20_000_000 * 1024
+    assert initconfig.available_bytes("cpu", tmp_path / "missing") is None
