@@ -10,13 +10,17 @@ chosen on validation and scored on test, never tuned on test.
     .venv/bin/python scripts/bench_quality.py [--tasks stsb goemotions sst2-full mrpc demo] [--seeds 42 43 44]
         [--set key=value ...] [--out FILE]
     .venv/bin/python scripts/bench_quality.py --rules runs/goemotions-minilm
+    .venv/bin/python scripts/bench_quality.py --encoders docs/results/quality-encoders.jsonl
 
-Prints markdown tables (median over seeds, then each seed) and writes JSON to --out.
+Prints markdown tables (median over seeds, then each seed) and writes JSON to --out; `--record FILE` also
+appends one JSON line per run to FILE, and `--encoders FILE` prints MiniLM and MPNet side by side from it
+(each `<task>` row next to its `<task>-mpnet` row).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import time
@@ -69,6 +73,19 @@ def headline(final: dict, key: str) -> tuple[float, list[float] | None]:
     return node[last], node.get(f"{last}_ci")
 
 
+def f1_interval(run_dir: Path, resamples: int = 1000, seed: int = 42) -> list[float]:
+    """A percentile bootstrap of the positive (last) class's F1 on validation, from predictions.jsonl:
+    eval.json's own intervals cover accuracy and macro-F1, not a pair task's paraphrase F1."""
+    rows = [r for r in read_jsonl(run_dir / "predictions.jsonl") if r["split"] == "validation"]
+    positive = list(rows[0]["probabilities"])[-1]
+    gold = np.array([r["gold"] == positive for r in rows])
+    pred = np.array([r["prediction"] == positive for r in rows])
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(rows), size=(resamples, len(rows)))
+    scores = [f1_score(gold[i], pred[i], zero_division=0) for i in draws]
+    return [float(np.percentile(scores, 2.5)), float(np.percentile(scores, 97.5))]
+
+
 def first_eval(run_dir: Path, step: int) -> float | None:
     for row in read_jsonl(run_dir / "metrics.jsonl"):
         if row.get("step") == step and "eval_pearson" in row:
@@ -76,7 +93,9 @@ def first_eval(run_dir: Path, step: int) -> float | None:
     return None
 
 
-def bench(tasks: list[str], seeds: list[int], settings: list[str], work: Path, out: Path) -> dict:
+def bench(
+    tasks: list[str], seeds: list[int], settings: list[str], work: Path, out: Path, record: Path | None = None
+) -> dict:
     results: dict[str, list[dict]] = {t: [] for t in tasks}
     for seed in seeds:
         for task in tasks:
@@ -85,12 +104,19 @@ def bench(tasks: list[str], seeds: list[int], settings: list[str], work: Path, o
             overrides = [f"run.seed={seed}", "log.plots=false", *settings]
             final, wall = run(config, overrides + keep_evals(config) + EXTRA.get(task, []), run_dir)
             value, ci = headline(final, key)
+            if key == "f1" and ci is None:
+                ci = f1_interval(run_dir)
             row = {"seed": seed, key: value, "ci": ci, "wall_s": wall}
             if task == "stsb":
                 row["pearson_at_60"] = first_eval(run_dir, 60)
             results[task].append(row)
             print(f"{task} seed {seed}: {key} {value:.4f} {ci} {wall:.0f} s {row.get('pearson_at_60', '')}", flush=True)
             out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
+            if record is not None:
+                line = {"task": task, "seed": seed, "metric": key, "value": value, "ci": ci, "wall_s": round(wall, 1)}
+                line |= {"settings": settings, "date": datetime.date.today().isoformat(), "source": "bench_quality.py"}
+                with record.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
     return results
 
 
@@ -112,6 +138,49 @@ def table(results: dict[str, list[dict]]) -> str:
             per += "; Pearson after 60 steps: " + ", ".join(f"{r['pearson_at_60']:.3f}" for r in rows)
         wall = statistics.median(r["wall_s"] for r in rows)
         lines.append(f"| {task} (`{config}`) | {key} | {med:.4f} | {goal or '-'} | {anchor} | {wall:.0f} | {per} |")
+    return "\n".join(lines)
+
+
+def _cell(rows: list[dict]) -> str:
+    if not rows:
+        return "not run"
+    med = statistics.median(r["value"] for r in rows)
+    per = "; ".join(
+        f"s{r['seed']} {r['value']:.4f}"
+        + (f" [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" if r["ci"] else "")
+        + f" {r['wall_s']:.0f} s"
+        for r in sorted(rows, key=lambda r: r["seed"])
+    )
+    return f"**{med:.4f}** (median of {len(rows)}; {per})"
+
+
+# MiniLM's config -> MPNet's config for the same data and split (the demo slice: sst2-minilm against sst2-mpnet)
+PAIRS = {
+    "demo": "sst2-mpnet",
+    "mrpc": "mrpc-mpnet",
+    "stsb": "stsb-mpnet",
+    "trec": "trec-mpnet",
+    "agnews": "agnews-mpnet",
+}
+
+
+def encoders(record: Path) -> str:
+    """MiniLM's and MPNet's runs of each task side by side, from a --record file: the median over seeds,
+    each seed's value, interval and wall time, and the difference of the medians."""
+    runs = [r for r in read_jsonl(record) if not r.get("settings")]  # candidates under test are not the configs
+    lines = [
+        "| tasks | metric | MiniLM (all-MiniLM-L6-v2) | MPNet (all-mpnet-base-v2) | MPNet - MiniLM | goal | anchor |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for small_task, big_task in PAIRS.items():
+        small = [r for r in runs if r["task"] == small_task]
+        big = [r for r in runs if r["task"] == big_task]
+        _, key, goal, anchor = TASKS[big_task]
+        diff = "-"
+        if small and big:
+            diff = f"{statistics.median(r['value'] for r in big) - statistics.median(r['value'] for r in small):+.4f}"
+        cells = [f"{small_task} / {big_task}", key, _cell(small), _cell(big), diff, str(goal or "-"), anchor]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -180,12 +249,17 @@ def main() -> None:
     parser.add_argument("--rules", type=Path, default=None, help="a finished multi-label run directory")
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_quality"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_quality.json"))
+    parser.add_argument("--record", type=Path, default=None, help="append one JSON line per run to this file")
+    parser.add_argument("--encoders", type=Path, default=None, help="print MiniLM and MPNet side by side from a record")
     args = parser.parse_args()
     if args.rules is not None:
         print(rules(args.rules))
         return
+    if args.encoders is not None:
+        print(encoders(args.encoders))
+        return
     start = time.perf_counter()
-    results = bench(args.tasks, args.seeds, args.set, args.work, args.out)
+    results = bench(args.tasks, args.seeds, args.set, args.work, args.out, args.record)
     print(
         f"\n{table(results)}\n\ncommand: scripts/bench_quality.py --tasks {' '.join(args.tasks)} --seeds "
         f"{' '.join(map(str, args.seeds))}"
