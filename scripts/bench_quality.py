@@ -34,6 +34,10 @@ from sklearn.metrics import f1_score
 
 from finetune.fileio import read_jsonl  # importable once benchlib has put the repository on sys.path
 
+# Sun et al. 2019, "How to Fine-Tune BERT for Text Classification?": BERT-base with in-task pre-training, test
+# error 3.2 on TREC-6 and 4.8 on AG News trained on all 120,000 rows (the configs here train on 8,000)
+TREC_ANCHOR = "BERT-base + in-task pre-training 0.968 (Sun et al. 2019)"
+AG_ANCHOR = "BERT-base + in-task pre-training 0.952 on all 120k rows (Sun et al. 2019)"
 # task -> (config, headline key in eval.json (or test.<key>), goal, published anchor)
 TASKS = {
     "goemotions": ("configs/goemotions-minilm.yaml", "test.macro_f1", 0.42, "BERT-base 0.46 (Demszky et al. 2020)"),
@@ -41,14 +45,14 @@ TASKS = {
     "sst2-full": ("configs/sst2-minilm-full.yaml", "accuracy", 0.905, "distilbert-sst2 0.911"),
     "mrpc": ("configs/mrpc-minilm.yaml", "f1", 0.88, "MiniLM-L12 89.5 accuracy"),
     "demo": ("configs/sst2-minilm.yaml", "accuracy", 0.88, "demo before this change 0.8784"),
-    "trec": ("configs/trec-minilm.yaml", "test.accuracy", None, "-"),
-    "agnews": ("configs/agnews-minilm.yaml", "test.accuracy", None, "-"),
+    "trec": ("configs/trec-minilm.yaml", "test.accuracy", None, TREC_ANCHOR),
+    "agnews": ("configs/agnews-minilm.yaml", "test.accuracy", None, AG_ANCHOR),
     # all-mpnet-base-v2 (`make mpnet`), issue 42's goals
     "sst2-mpnet": ("configs/sst2-mpnet.yaml", "accuracy", 0.92, "distilbert-sst2 0.911"),
     "mrpc-mpnet": ("configs/mrpc-mpnet.yaml", "f1", 0.89, "MiniLM-L12 89.5 accuracy"),
     "stsb-mpnet": ("configs/stsb-mpnet.yaml", "spearman", 0.88, "distilbert-base-nli-stsb 0.852 Spearman"),
-    "trec-mpnet": ("configs/trec-mpnet.yaml", "test.accuracy", None, "the `trec` row (MiniLM)"),
-    "agnews-mpnet": ("configs/agnews-mpnet.yaml", "test.accuracy", None, "the `agnews` row (MiniLM)"),
+    "trec-mpnet": ("configs/trec-mpnet.yaml", "test.accuracy", None, TREC_ANCHOR),
+    "agnews-mpnet": ("configs/agnews-mpnet.yaml", "test.accuracy", None, AG_ANCHOR),
 }
 EXTRA = {"stsb": ["train.eval_every_steps=60"]}  # the Pearson after 60 steps
 
