@@ -32,8 +32,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from finetune import faults
-from finetune.config import Config, keys_that_may_change_on_resume
-from finetune.config_io import parse_yaml12, validate_config
+from finetune.config import Config
+from finetune.config_io import keys_that_may_change_on_resume, parse_yaml12, validate_config
 from finetune.errors import UserError
 from finetune.fileio import file_sha256, read_jsonl
 from finetune.tasks import lower_is_better
@@ -135,7 +135,7 @@ def save_checkpoint(
     files: dict[str, str],
     write_extra: Callable[[Path], None] | None = None,
     keep_last: int | None = None,
-    best_metric: str = "accuracy",
+    best_metric: BestRule | str = "accuracy",
 ) -> Path:
     """Write the checkpoint of optimizer step `progress.step` atomically and return its path.
 
@@ -511,28 +511,62 @@ def update_best(best: dict[str, Any], metric: str, metrics: dict[str, Any], step
 
 def _own_metric(path: Path, metric: str) -> float | None:
     """The checkpoint's `metric`, when its evaluation ran at the checkpoint's own step."""
+    own = _own_eval(path, metric)
+    return own[0] if own else None
+
+
+def _own_eval(path: Path, metric: str) -> tuple[float, int] | None:
+    """(`metric`, rows evaluated) of the checkpoint's own-step evaluation; None without one."""
     try:
         progress = read_progress(path)
     except (OSError, json.JSONDecodeError, TypeError):
         return None
     if progress.eval.get("step") != progress.step or metric not in progress.eval:
         return None
-    return float(progress.eval[metric])
+    return float(progress.eval[metric]), int(progress.eval.get("num_samples") or 0)
 
 
-def best_checkpoint(run_dir: Path, metric: str) -> Path | None:
-    """The complete checkpoint with the best own evaluation of `metric` (earliest on ties)."""
-    best: tuple[float, Path] | None = None
-    for path in list_checkpoints(run_dir):
-        if verify_checkpoint(path, deep=False) is not None:
-            continue
-        value = _own_metric(path, metric)
-        if value is not None and (best is None or is_better(metric, value, best[0])):
-            best = (value, path)
-    return best[1] if best else None
+def standard_error(value: float, samples: int) -> float:
+    """The binomial standard error of a proportion `value` measured on `samples` rows (0 without rows)."""
+    return math.sqrt(max(0.0, value * (1 - value)) / samples) if samples > 0 else 0.0
 
 
-def rotate(run_dir: Path, keep_last: int, metric: str) -> list[Path]:
+@dataclass(frozen=True)
+class BestRule:
+    """How the best checkpoint is chosen: by `metric`; with `within_se` > 0, the latest checkpoint within that
+    many standard errors of the best value seen (`reference`: the run's best, which rotation may have deleted)."""
+
+    metric: str
+    within_se: float = 0.0
+    reference: float | None = None
+
+
+def best_checkpoint(run_dir: Path, rule: BestRule | str) -> Path | None:
+    """The complete checkpoint with the best own evaluation by `rule` (a metric name: the best, earliest on
+    ties; checkpoint.best_within_se: the latest within that many standard errors of the best)."""
+    rule = BestRule(rule) if isinstance(rule, str) else rule
+    scored = [(path, own) for path in list_checkpoints(run_dir) if (own := _checked_eval(path, rule.metric))]
+    if not scored:
+        return None
+    best = scored[0]
+    for path, own in scored[1:]:
+        if is_better(rule.metric, own[0], best[1][0]):
+            best = (path, own)
+    if not rule.within_se:
+        return best[0]
+    top = best[1][0]
+    if rule.reference is not None and is_better(rule.metric, rule.reference, top):
+        top = rule.reference
+    # the metric is a proportion (config): higher is better; the same validation rows give every evaluation
+    near = [path for path, (value, rows) in scored if value >= top - rule.within_se * standard_error(top, rows)]
+    return near[-1] if near else best[0]
+
+
+def _checked_eval(path: Path, metric: str) -> tuple[float, int] | None:
+    return None if verify_checkpoint(path, deep=False) is not None else _own_eval(path, metric)
+
+
+def rotate(run_dir: Path, keep_last: int, metric: BestRule | str) -> list[Path]:
     """Delete checkpoints except the newest `keep_last` complete ones and the best; return deleted.
 
     Incomplete directories older than the newest complete checkpoint go too; newer incomplete
@@ -555,23 +589,28 @@ def rotate(run_dir: Path, keep_last: int, metric: str) -> list[Path]:
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's wrappers name parameters so
 
 
-def load_best_weights(accelerator: Accelerator, model: torch.nn.Module, run_dir: Path, metric: str) -> Path | None:
-    """`checkpoint.export=best`: put the best checkpoint's weights into `model` before the export.
+def load_best_weights(
+    accelerator: Accelerator, model: torch.nn.Module, run_dir: Path, rule: BestRule | str
+) -> Path | None:
+    """`checkpoint.export=best`: put the best checkpoint's weights (by `rule`) into `model` before the export.
 
     Loads into the unwrapped model on every process, whatever wrapper prefix the checkpoint's keys
     carry (a DDP run saves `module.`-prefixed keys), or under FSDP through Accelerate's FSDP loader
     (each rank takes its shard); returns the checkpoint, None when no
     checkpoint has its own evaluation (final/ then holds the last weights).
     """
-    best = best_checkpoint(run_dir, metric)
+    rule = BestRule(rule) if isinstance(rule, str) else rule
+    best, metric = best_checkpoint(run_dir, rule), rule.metric
     if best is None:
         logger.warning(f"warning: no checkpoint has its own evaluation of {metric}: final/ holds the last weights")
         return None
+    near = f", the latest within {rule.within_se:g} standard errors of the best" if rule.within_se else ""
+    line = f"final/ holds the best checkpoint by {metric}{near}: {best.name} ({_own_metric(best, metric)})"
     if accelerator.distributed_type == DistributedType.FSDP:  # sharded parameters: Accelerate's own loader
         from accelerate.utils import load_fsdp_model
 
         load_fsdp_model(accelerator.state.fsdp_plugin, accelerator, model, str(best))
-        logger.info(f"final/ holds the best checkpoint by {metric}: {best.name} ({_own_metric(best, metric)})")
+        logger.info(line)
         return best
     # safetensors names devices as torch does except CPU: a multi-process CPU (gloo) run's device is
     # "cpu:0", which it refuses; CPU tensors load as "cpu"
@@ -580,7 +619,7 @@ def load_best_weights(accelerator: Accelerator, model: torch.nn.Module, run_dir:
     for prefix in WRAPPER_PREFIXES:
         state = {k.removeprefix(prefix): v for k, v in state.items()}
     accelerator.unwrap_model(model).load_state_dict(state, strict=True)
-    logger.info(f"final/ holds the best checkpoint by {metric}: {best.name} ({_own_metric(best, metric)})")
+    logger.info(line)
     return best
 
 

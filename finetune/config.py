@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -517,6 +518,12 @@ class CheckpointConfig(_Section):
         + ": lower is better); default per model.problem_type: "
         + ", ".join(p.headline[0] for p in PROBLEM_TYPES.values()),
     )
+    best_within_se: NonNegativeFloat = Field(
+        0.0,
+        description="rotation and final/ take the latest checkpoint within this many standard errors of the best "
+        "best_metric seen (a small validation set cannot rank nearby checkpoints: the further-trained weights win); "
+        "proportions only (accuracy, subset_accuracy); 0: the best, the earliest on ties",
+    )
     export: Literal["last", "best"] = Field(
         "last",
         description="what final/ holds: the last weights or the best checkpoint's",
@@ -714,6 +721,8 @@ class Config(_Section):
                 f"checkpoint.best_metric={self.checkpoint.best_metric} is not a metric of model.problem_type={kind}; "
                 f"choose one of {list(allowed)}"
             )
+        if (c := self.checkpoint).best_within_se and not METRICS[c.best_metric].proportion:
+            raise ValueError(f"checkpoint.best_within_se counts standard errors of a proportion, not {c.best_metric}")
         if kind != MULTI and (d.label_columns is not None or d.label_delimiter is not None):
             raise ValueError(
                 "data.label_columns / data.label_delimiter describe multi-label data: set "
@@ -786,14 +795,3 @@ class Config(_Section):
         if not p.is_absolute() and self.data.data_dir is not None:
             p = Path(self.data.data_dir).expanduser() / p
         return p
-
-
-def keys_that_may_change_on_resume() -> frozenset[str]:
-    """The dotted `section.key` names declared `MAY_CHANGE_ON_RESUME` in the schema: the keys whose change
-    does not change the trained weights, so resume accepts a checkpoint whose config differs in them."""
-    return frozenset(
-        f"{section}.{name}"
-        for section, field in Config.model_fields.items()
-        for name, f in _section_class(field.annotation).model_fields.items()
-        if (f.json_schema_extra or {}).get("resume") == "may_change"
-    )

@@ -8,7 +8,8 @@ import types
 import typing
 from typing import Any, Literal
 
-from finetune.config import Config, LoraConfig, SweepRange, keys_that_may_change_on_resume
+from finetune.config import Config, LoraConfig, SweepRange
+from finetune.config_io import keys_that_may_change_on_resume
 
 
 def _type_name(a: Any) -> str:

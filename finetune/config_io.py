@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune.config import Config
+from finetune.config import Config, _section_class
 from finetune.errors import UserError
 
 # ----------------------------------------------------------------------------------------------
@@ -264,3 +264,14 @@ def flat_config(cfg: Config) -> dict[str, int | float | str | bool]:
 
     walk(cfg.model_dump(mode="json"), "")
     return out
+
+
+def keys_that_may_change_on_resume() -> frozenset[str]:
+    """The dotted `section.key` names declared `MAY_CHANGE_ON_RESUME` in the schema: the keys whose change
+    does not change the trained weights, so resume accepts a checkpoint whose config differs in them."""
+    return frozenset(
+        f"{section}.{name}"
+        for section, field in Config.model_fields.items()
+        for name, f in _section_class(field.annotation).model_fields.items()
+        if (f.json_schema_extra or {}).get("resume") == "may_change"
+    )

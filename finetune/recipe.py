@@ -53,6 +53,9 @@ PATIENCE_EPOCHS = 2  # evaluations without improvement before stopping, in epoch
 VALIDATION_ROWS = (300, 2000)  # a validation slice carved from train: at least (or a fifth of train), at most
 MIN_ROWS = 4  # the fewest single-label training rows init writes a recipe for
 BUDGET_FACTOR = 1.5  # the budget over the time the epochs bound takes at the measured step
+# final/ holds the latest checkpoint this many standard errors of the best validation accuracy or nearer: on a
+# few hundred validation rows the best is often a lucky early evaluation, where test accuracy still rose
+BEST_WITHIN_SE = 1.0
 
 
 KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
@@ -219,7 +222,7 @@ def adaptive(shape: Shape) -> Recipe:
     warmup = 0.1 if shape.pair else 0.06
     r.train |= {"epochs": epochs, "learning_rate": rate, "warmup_ratio": warmup}
     r.train |= {"eval_every_steps": every, "early_stopping_patience": patience}
-    r.checkpoint |= {"every_steps": every, "export": "best", "keep_last": 1}
+    r.checkpoint |= {"every_steps": every, "export": "best", "keep_last": 1, "best_within_se": BEST_WITHIN_SE}
     own = f"; {shape.model}: its own rate, at most {own_max} epochs" if shape.model in MODEL_RECIPES else ""
     r.notes.append(
         f"{classes} classes, {per_class:,.0f} training rows a class (fewest {smallest:,.0f}): at most {epochs} epochs "
@@ -227,7 +230,9 @@ def adaptive(shape: Shape) -> Recipe:
     )
     r.notes.append(
         f"early stopping: an evaluation every {every} steps ({evals} an epoch of {steps_per_epoch} steps), stop after "
-        f"{patience} without a better accuracy ({PATIENCE_EPOCHS} epochs); final/ holds the best checkpoint"
+        f"{patience} without a better accuracy ({PATIENCE_EPOCHS} epochs); final/ holds the latest checkpoint within "
+        f"{BEST_WITHIN_SE:g} standard error of the best accuracy (checkpoint.best_within_se: "
+        f"{held or shape.validation:,} validation rows cannot rank nearer ones; the further-trained weights win)"
     )
     shape_word = "sentence pairs: a longer warmup" if shape.pair else "single texts"
     r.notes.append(f"learning rate {rate:g} ({why_rate}), warmup {warmup:g} ({shape_word})")

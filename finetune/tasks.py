@@ -27,6 +27,7 @@ class Metric:
     hub_type: str | None  # the model-index metric type (a Hub metric id); None: not on the card
     hub_name: str | None = None  # the card's display name
     hub_args: Mapping[str, str] | None = None  # the model-index `args`
+    proportion: bool = False  # a share of rows (a binomial standard error applies: checkpoint.best_within_se)
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,10 @@ class ProblemType:
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
-        Metric("accuracy", False, "accuracy", "Accuracy"),
+        Metric("accuracy", False, "accuracy", "Accuracy", proportion=True),
         Metric("macro_f1", False, "f1", "Macro F1", {"average": "macro"}),
         Metric("micro_f1", False, "f1", "Micro F1", {"average": "micro"}),
-        Metric("subset_accuracy", False, "accuracy", "Subset accuracy (exact match)"),
+        Metric("subset_accuracy", False, "accuracy", "Subset accuracy (exact match)", proportion=True),
         Metric("pearson", False, "pearsonr", "Pearson correlation"),
         Metric("spearman", False, "spearmanr", "Spearman correlation"),
         Metric("mse", True, "mse", "Mean squared error"),

@@ -620,8 +620,15 @@ def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
         files,
         write_extra=lambda d: run.memory.write(report, d, run.metrics_file),
         keep_last=cfg.checkpoint.keep_last,
-        best_metric=cfg.checkpoint.best_metric,
+        best_metric=best_rule(cfg, progress),
     )
+
+
+def best_rule(cfg: Config, progress: TrainingProgress) -> ckpt.BestRule:
+    """How rotation and final/ pick the best checkpoint: checkpoint.best_metric and best_within_se, against the
+    run's best value so far (`progress.best`, which survives its checkpoint's rotation)."""
+    c = cfg.checkpoint
+    return ckpt.BestRule(c.best_metric, c.best_within_se, progress.best.get("value"))
 
 
 def final_memory_report(run: Run, step: int) -> dict[str, Any]:
@@ -681,7 +688,7 @@ def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str
     run.memory.close()
     final = {**progress.eval, "step": progress.step, "exported": "last"}
     best = (
-        ckpt.load_best_weights(acc, run.model, run.run_dir, cfg.checkpoint.best_metric)
+        ckpt.load_best_weights(acc, run.model, run.run_dir, best_rule(cfg, progress))
         if cfg.checkpoint.export == "best"
         else None
     )

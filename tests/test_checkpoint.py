@@ -4,6 +4,7 @@ rotation (keep_last + best), config compatibility, best metric, preemption guard
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -115,8 +116,10 @@ def test_replacing_a_checkpoint_survives_a_crash_between_the_renames(prepared: A
     assert ckpt.verify_checkpoint(path) is None
 
 
-def _fake_checkpoint(run: Path, step: int, metric: float | None, eval_step: int | None = None) -> Path:
-    """A complete checkpoint directory (progress + manifest) with an evaluation of `metric`."""
+def _fake_checkpoint(
+    run: Path, step: int, metric: float | None, eval_step: int | None = None, rows: int | None = None
+) -> Path:
+    """A complete checkpoint directory (progress + manifest) with an evaluation of `metric` (on `rows` rows)."""
     path = ckpt.checkpoint_dir(run, step)
     path.mkdir(parents=True)
     ev = (
@@ -124,6 +127,8 @@ def _fake_checkpoint(run: Path, step: int, metric: float | None, eval_step: int 
         if metric is None
         else {"accuracy": metric, "loss": 1 - metric, "step": step if eval_step is None else eval_step}
     )
+    if rows is not None and ev:
+        ev["num_samples"] = rows
     (path / ckpt.PROGRESS).write_text(json.dumps({"step": step, "eval": ev}))
     size = (path / ckpt.PROGRESS).stat().st_size
     (path / ckpt.MANIFEST).write_text(
@@ -149,6 +154,40 @@ def test_rotation_keeps_exactly_keep_last_plus_best(tmp_path: Path) -> None:
     ckpt.rotate(tmp_path, keep_last=1, metric="accuracy")
     assert [int(p.name.split("_")[1]) for p in ckpt.list_checkpoints(tmp_path)] == [2, 7]
     assert not any(p.name.startswith(ckpt.TRASH_PREFIX) for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_best_within_standard_errors_takes_the_latest_near_checkpoint_against_the_runs_best(tmp_path: Path) -> None:
+    # validation accuracy on 300 rows: a lucky first evaluation, then nearby ones and one clearly worse
+    for step, acc in {1: 0.8533, 2: 0.8467, 3: 0.8433, 4: 0.80, 5: 0.84}.items():
+        _fake_checkpoint(tmp_path, step, acc, rows=300)
+    se = math.sqrt(0.8533 * (1 - 0.8533) / 300)  # 0.0204: the binomial standard error of the best
+    assert ckpt.standard_error(0.8533, 300) == pytest.approx(se)
+    step_of = lambda rule: int(ckpt.best_checkpoint(tmp_path, rule).name.split("_")[1])  # noqa: E731
+    assert step_of("accuracy") == 1  # the strictly best, as without the rule
+    assert step_of(ckpt.BestRule("accuracy", 1.0)) == 5  # 0.84 >= 0.8533 - se; 0.80 is not
+    assert step_of(ckpt.BestRule("accuracy", 0.5)) == 3  # 0.8433 >= 0.8533 - se / 2 > 0.84
+    # rotation under the rule keeps the newest and the chosen one, not the best value's own checkpoint ...
+    rule = ckpt.BestRule("accuracy", 1.0, reference=0.8533)
+    ckpt.rotate(tmp_path, keep_last=1, metric=rule)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005"]
+    # ... so the run's best value (progress.best) is the reference: 0.825 is more than one error below 0.8533,
+    # though within one of the 0.84 left on disk (the reference keeps the threshold from drifting down)
+    _fake_checkpoint(tmp_path, 6, 0.825, rows=300)
+    assert step_of(rule) == 5 and 0.825 >= 0.84 - ckpt.standard_error(0.84, 300)
+    assert step_of(ckpt.BestRule("accuracy", 1.0)) == 6
+    ckpt.rotate(tmp_path, keep_last=1, metric=rule)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005", "step_00000006"]
+
+
+def test_best_within_se_needs_a_proportion(tmp_path: Path) -> None:
+    from finetune.config_io import validate_config
+
+    raw = {"run": {"output_dir": str(tmp_path)}, "data": {"train_file": "x.csv"}}
+    assert validate_config({**raw, "checkpoint": {"best_within_se": 1}}).checkpoint.best_within_se == 1.0
+    with pytest.raises(UserError, match="best_within_se counts standard errors of a proportion, not loss"):
+        validate_config({**raw, "checkpoint": {"best_within_se": 1, "best_metric": "loss"}})
+    with pytest.raises(UserError, match="best_within_se"):
+        validate_config({**raw, "checkpoint": {"best_within_se": -1}})
 
 
 def test_rotation_keeps_newer_incomplete_directories(tmp_path: Path) -> None:
@@ -309,7 +348,7 @@ def test_configure_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Path) -> None:
-    from finetune.config import keys_that_may_change_on_resume
+    from finetune.config_io import keys_that_may_change_on_resume
 
     # checkpoint.HARMLESS_KEYS as it stood before the schema declared these keys (config.MAY_CHANGE_ON_RESUME):
     # resume accepts and refuses the same keys; a key added here is a decision about resume, not a chore

@@ -7,6 +7,7 @@ optimizer step or in evaluation, a full disk, fp32 losses into backward, exact r
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,31 @@ def test_eval_json_describes_the_exported_best_weights(tmp_path: Path) -> None:
     assert final["accuracy"] == ckpt.read_progress(best).eval["accuracy"]
     last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if "eval_accuracy" in x][-1]
     assert last["step"] == 8
+
+
+@pytest.mark.slow
+def test_best_within_se_exports_the_latest_checkpoint_near_the_best(tmp_path: Path) -> None:
+    # the run above with checkpoint.best_within_se: final/ is the latest checkpoint whose validation accuracy is
+    # within one binomial standard error of the run's best, worked out here from metrics.jsonl
+    extra = {"train.learning_rate": 3e-2, "train.max_steps": 8, "train.epochs": 4, "train.eval_every_steps": 2}
+    extra |= {"checkpoint.every_steps": 2, "checkpoint.keep_last": 1, "checkpoint.export": "best"}
+    cfg = _cfg(tmp_path, extra | {"checkpoint.best_within_se": 1.0})
+    assert train_mod.main(["--config", str(cfg)]) == 0
+    run = tmp_path / "run"
+    evals = {
+        r["step"]: r["eval_accuracy"]
+        for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if "eval_accuracy" in r
+    }
+    assert sorted(evals) == [2, 4, 6, 8]
+    rows = SMALL["data.max_eval_samples"]
+    top = max(evals.values())
+    near = [s for s, a in evals.items() if a >= top - math.sqrt(top * (1 - top) / rows)]
+    final = json.loads((run / "eval.json").read_text())
+    assert final["exported"] == "best" and final["step"] == max(near)
+    assert final["accuracy"] == evals[max(near)]
+    strict = min(s for s, a in evals.items() if a == top)
+    assert max(near) != strict, f"the scenario needs a later checkpoint near the best: {evals}"
 
 
 def test_launch_config_dynamo_is_refused_unless_the_config_compiles(

@@ -28,7 +28,7 @@ def test_many_classes_with_few_rows_each_train_long_with_early_stopping() -> Non
     # 800 training rows, 16 a class: 800 / 16 -> 50 passes, bounded by 20; 25 steps an epoch of 32 rows
     assert r.train["epochs"] == 20
     assert r.train["eval_every_steps"] == 13 and r.train["early_stopping_patience"] == 4  # 2 a epoch, 2 epochs
-    assert r.checkpoint == {"every_steps": 13, "export": "best", "keep_last": 1}
+    assert r.checkpoint == {"every_steps": 13, "export": "best", "keep_last": 1, "best_within_se": 1.0}
     assert (r.train["learning_rate"], r.train["warmup_ratio"]) == (1e-4, 0.06)
     assert "max_minutes" not in r.train  # no step measured: no budget
     said = " ".join(r.notes)
