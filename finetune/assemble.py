@@ -16,17 +16,14 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from finetune import checkpoint as ckpt
-from finetune import memory as mem
-from finetune.checkpoint import TrainingProgress
-from finetune.config import Config
-from finetune.config_io import dump_config
-from finetune.data import Data, build_eval_loader
-from finetune.model import build_model, check_quantized_autocast, count_parameters
-from finetune.nodes import check_shared_storage
-from finetune.packing import check_packing
-from finetune.planner import resolve_micro_batch
-from finetune.precision import (
+from finetune.config.files import dump_config
+from finetune.config.schema import Config
+from finetune.data.build import Data, build_eval_loader
+from finetune.data.packing import check_packing
+from finetune.memory import monitor as mem
+from finetune.memory.planner import resolve_micro_batch
+from finetune.model.load import build_model, check_quantized_autocast, count_parameters
+from finetune.model.precision import (
     PrecisionMonitor,
     apply_precision_policy,
     audit_json,
@@ -34,7 +31,10 @@ from finetune.precision import (
     compile_model,
     dtype_audit,
 )
-from finetune.runtime import progress_bar, provenance
+from finetune.training import checkpoint as ckpt
+from finetune.training.checkpoint import TrainingProgress
+from finetune.training.nodes import check_shared_storage
+from finetune.training.runtime import progress_bar, provenance
 
 logger = logging.getLogger("finetune")
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from finetune.errors import UserError
+from finetune.core.errors import UserError
 
 
 def _cmd_train(argv: list[str]) -> int:
@@ -63,9 +63,9 @@ def _cmd_plan(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.grid:
         return _plan_grid(args)
-    from finetune.config_io import load_config
-    from finetune.planner import format_plan, plan, plan_json
-    from finetune.window import effective_batch, resolve_batch
+    from finetune.config.files import load_config
+    from finetune.data.window import effective_batch, resolve_batch
+    from finetune.memory.planner import format_plan, plan, plan_json
 
     cfg = load_config(args.config, args.overrides)
     if args.budget_gb is not None and args.budget_gb <= 0:
@@ -93,8 +93,8 @@ def _cmd_plan(argv: list[str]) -> int:
 def _plan_grid(args: argparse.Namespace) -> int:
     import transformers
 
-    from finetune.config_io import load_config
-    from finetune.planner import (
+    from finetune.config.files import load_config
+    from finetune.memory.planner import (
         default_device,
         extrapolation_note,
         format_grid,
@@ -102,7 +102,7 @@ def _plan_grid(args: argparse.Namespace) -> int:
         plan_grid,
         planning_tokenizer,
     )
-    from finetune.precision import refuse_adamw8bit_off_cuda
+    from finetune.model.precision import refuse_adamw8bit_off_cuda
 
     cfg = load_config(args.config, args.overrides)
     bad = [x for x in [*(args.micro or []), *(args.lengths or [])] if x < 1]
@@ -124,7 +124,7 @@ def _plan_grid(args: argparse.Namespace) -> int:
 
 
 def _load_classifier(model_dir: str) -> tuple[Any, Any]:
-    from finetune.final import load_final
+    from finetune.deploy.final import load_final
 
     return load_final(Path(model_dir))
 
@@ -161,7 +161,7 @@ def _cmd_predict(argv: list[str]) -> int:
     for flag in ("batch_size", "chunk_size", "workers"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be at least 1")
-    from finetune.predict import Job, run_predict
+    from finetune.deploy.predict import Job, run_predict
 
     job = Job(
         Path(args.input),
@@ -186,10 +186,10 @@ def _cmd_evaluate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import numpy as np
 
-    from finetune.config_io import load_config
-    from finetune.metrics import bootstrap_ci, compute_metrics
-    from finetune.predict import model_logits
-    from finetune.reading import load_raw_splits
+    from finetune.config.files import load_config
+    from finetune.data.reading import load_raw_splits
+    from finetune.deploy.predict import model_logits
+    from finetune.evaluation.metrics import bootstrap_ci, compute_metrics
 
     cfg = load_config(args.config, args.overrides)
     tokenizer, model = _load_classifier(args.model)
@@ -235,8 +235,8 @@ def _cmd_report(argv: list[str]) -> int:
     )
     parser.add_argument("--split", choices=["validation", "test"], default=None, help="with --errors: one split only")
     args = parser.parse_args(argv)
-    from finetune.memory import latest_report, plot_memory, report_table
-    from finetune.metrics import confident_mistakes, format_mistakes, plot_curves
+    from finetune.evaluation.metrics import confident_mistakes, format_mistakes, plot_curves
+    from finetune.memory.monitor import latest_report, plot_memory, report_table
 
     run = Path(args.run_dir)
     if args.errors is not None:
@@ -313,7 +313,7 @@ def _cmd_init(argv: list[str]) -> int:
         help="write no time budget (train.max_minutes), so no training step is timed on this machine",
     )
     args = parser.parse_args(argv)
-    from finetune.initconfig import init_config
+    from finetune.init.write import init_config
 
     data = Path(args.data)
     out = Path(args.output or f"{data.resolve().stem if data.is_file() else data.resolve().name}.yaml")
@@ -333,8 +333,8 @@ def _cmd_config(argv: list[str]) -> int:
     what.add_argument("--markdown", action="store_true", help="print the configuration reference (docs/CONFIG.md)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides (with --show)")
     args = parser.parse_args(argv)
-    from finetune.config_docs import json_schema, schema_markdown
-    from finetune.config_io import dump_config, load_config
+    from finetune.config.docs import json_schema, schema_markdown
+    from finetune.config.files import dump_config, load_config
 
     if args.show is None and args.overrides:
         raise UserError("overrides go with --show CONFIG")
@@ -365,7 +365,7 @@ def _cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.onnx:
         raise UserError("choose the export format: finetune export --onnx FINAL_DIR OUT_DIR")
-    from finetune.export import export_onnx
+    from finetune.deploy.export import export_onnx
 
     check = export_onnx(Path(args.final_dir), Path(args.out_dir), args.force, atol=args.atol, quantize=args.quantize)
     print(
@@ -408,9 +408,9 @@ def _cmd_sweep(argv: list[str]) -> int:
         raise UserError(f"--trials {args.trials}: a sweep runs at least one trial")
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout:g}: give a positive number of seconds")
-    from finetune.config_io import load_config
-    from finetune.runtime import Preempted
+    from finetune.config.files import load_config
     from finetune.sweep import run_sweep
+    from finetune.training.runtime import Preempted
 
     try:
         run_sweep(load_config(args.config, args.overrides), args.trials, args.storage, args.study_name, args.timeout)

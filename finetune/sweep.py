@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from finetune import tasks
-from finetune.config import Config, SweepRange
-from finetune.config_io import apply_overrides, dump_config, validate_config
-from finetune.errors import UserError
-from finetune.runtime import PreemptionGuard
+from finetune.config import tasks
+from finetune.config.files import apply_overrides, dump_config, validate_config
+from finetune.config.schema import Config, SweepRange
+from finetune.core.errors import UserError
 from finetune.train import train
+from finetune.training.runtime import PreemptionGuard
 
 logger = logging.getLogger("finetune")
 

@@ -28,9 +28,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from finetune import checkpoint as ckpt
-from finetune import faults
-from finetune import memory as mem
 from finetune.assemble import (
     batch_layout,
     build_eval_loaders,
@@ -45,16 +42,18 @@ from finetune.assemble import (
     step_bar,
     train_targets,
 )
-from finetune.budget import TimeBudget
-from finetune.calibrate import calibrate, fold_temperature, plot_reliability
-from finetune.card import write_model_card
-from finetune.checkpoint import TrainingProgress
-from finetune.config import Config
-from finetune.config_io import dump_config, flat_config, load_config
-from finetune.data import Data, build_data, build_train_loader, format_data_report
-from finetune.errors import UserError
-from finetune.final import export_final, prediction_config
-from finetune.metrics import (
+from finetune.config.files import dump_config, flat_config, load_config
+from finetune.config.schema import Config
+from finetune.config.tasks import SINGLE
+from finetune.core import faults
+from finetune.core.errors import UserError
+from finetune.data.build import Data, build_data, build_train_loader, format_data_report
+from finetune.data.packing import attention_cost, packed_logits
+from finetune.data.window import OutOfMemoryGuard, adapt_to_launch, window_loss
+from finetune.deploy.card import write_model_card
+from finetune.deploy.final import export_final, prediction_config
+from finetune.evaluation.calibrate import calibrate, fold_temperature, plot_reliability
+from finetune.evaluation.metrics import (
     Outputs,
     bootstrap_ci,
     collect_outputs,
@@ -66,18 +65,9 @@ from finetune.metrics import (
     record_row,
     score,
 )
-from finetune.model import build_tokenizer, check_max_length, choose_pad_token
-from finetune.nodes import node_loss_line
-from finetune.optim import (
-    build_optimizer,
-    build_scheduler,
-    clipping_folds_into_step,
-    describe_groups,
-    fold_clipping_into_step,
-    planned_steps,
-)
-from finetune.packing import attention_cost, packed_logits
-from finetune.precision import (
+from finetune.memory import monitor as mem
+from finetune.model.load import build_tokenizer, check_max_length, choose_pad_token
+from finetune.model.precision import (
     PrecisionMonitor,
     audit_json,
     dtype_audit,
@@ -85,7 +75,19 @@ from finetune.precision import (
     fp32_per_sample_loss,
     release_cached_memory,
 )
-from finetune.runtime import (
+from finetune.training import checkpoint as ckpt
+from finetune.training.budget import TimeBudget
+from finetune.training.checkpoint import TrainingProgress
+from finetune.training.nodes import node_loss_line
+from finetune.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    clipping_folds_into_step,
+    describe_groups,
+    fold_clipping_into_step,
+    planned_steps,
+)
+from finetune.training.runtime import (
     Preempted,
     PreemptionGuard,
     apply_num_threads,
@@ -101,9 +103,7 @@ from finetune.runtime import (
     several_processes,
     tracker_init_kwargs,
 )
-from finetune.tasks import SINGLE
-from finetune.trackers import start_trackers
-from finetune.window import OutOfMemoryGuard, adapt_to_launch, window_loss
+from finetune.training.trackers import start_trackers
 
 logger = logging.getLogger("finetune")
 

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from torch import nn
 
-from finetune.collate import Collator
-from finetune.config_io import load_config
-from finetune.data import build_data
-from finetune.model import build_model, build_tokenizer
-from finetune.precision import Bf16AdamW, effective_weight, fp32_cross_entropy
+from finetune.config.files import load_config
+from finetune.data.build import build_data
+from finetune.data.collate import Collator
+from finetune.model.load import build_model, build_tokenizer
+from finetune.model.precision import Bf16AdamW, effective_weight, fp32_cross_entropy
 
 ROOT = Path(__file__).resolve().parent.parent
 

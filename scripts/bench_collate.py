@@ -21,9 +21,9 @@ import torch
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from finetune.collate import Collator  # noqa: E402
-from finetune.sources import resolve_model_path  # noqa: E402
-from finetune.window import WindowedDataset  # noqa: E402
+from finetune.data.collate import Collator  # noqa: E402
+from finetune.data.window import WindowedDataset  # noqa: E402
+from finetune.model.sources import resolve_model_path  # noqa: E402
 
 
 def main() -> None:

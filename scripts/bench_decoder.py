@@ -62,8 +62,8 @@ def overrides(out: Path, rows: int, seed: int) -> list[str]:
 
 
 def child_finetune(rows: int, seed: int, config: Path = CONFIG, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    from finetune import memory
-    from finetune.fileio import read_jsonl
+    from finetune.core.fileio import read_jsonl
+    from finetune.memory import monitor as memory
     from finetune.train import main
 
     # finetune resets the kernel's high-water mark at every log line (its per-interval peaks), and the reset
@@ -93,9 +93,9 @@ def child_trainer(rows: int, seed: int) -> dict[str, Any]:
         set_seed,
     )
 
-    from finetune.config_io import load_config
-    from finetune.model import build_tokenizer, resolve_model_path
-    from finetune.optim import planned_steps
+    from finetune.config.files import load_config
+    from finetune.model.load import build_tokenizer, resolve_model_path
+    from finetune.training.optim import planned_steps
 
     with tempfile.TemporaryDirectory(prefix="bench-dec-tr-") as tmp:
         cfg = load_config(CONFIG, overrides(Path(tmp) / "unused", rows, seed))
@@ -175,11 +175,11 @@ LADDER_LENGTH = 32
 
 
 def child_rung(rows: int, seed: int, rung: int) -> dict[str, Any]:
-    from finetune import memory
-    from finetune.config_io import load_config
-    from finetune.fileio import read_jsonl
-    from finetune.model import build_tokenizer
-    from finetune.planner import predict_peak
+    from finetune.config.files import load_config
+    from finetune.core.fileio import read_jsonl
+    from finetune.memory import monitor as memory
+    from finetune.memory.planner import predict_peak
+    from finetune.model.load import build_tokenizer
     from finetune.train import main
 
     memory._reset_vm_hwm = lambda: False  # as in child_finetune: ru_maxrss is the whole run's
@@ -271,7 +271,7 @@ def child_finetune_first(rows: int, seed: int) -> dict[str, Any]:
     heaviest early sets the heap's extent once, as the transformers Trainer's LengthGroupedSampler puts its
     longest batch first; second, not first, so the memory report's one sampled window after the first
     optimizer step is the heaviest)."""
-    from finetune import window
+    from finetune.data import window
 
     batches = window.WindowedBatchSampler.batches
 

@@ -30,11 +30,11 @@ os.environ.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 import torch  # noqa: E402
 from benchlib import measure_cuda, measure_real, train_run  # noqa: E402
 
-from finetune.config import Config  # noqa: E402
-from finetune.config_io import load_config  # noqa: E402
-from finetune.model import build_tokenizer  # noqa: E402
-from finetune.peak import MiB, margin_bytes  # noqa: E402
-from finetune.planner import predict_peak  # noqa: E402
+from finetune.config.files import load_config  # noqa: E402
+from finetune.config.schema import Config  # noqa: E402
+from finetune.memory.peak import MiB, margin_bytes  # noqa: E402
+from finetune.memory.planner import predict_peak  # noqa: E402
+from finetune.model.load import build_tokenizer  # noqa: E402
 
 CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 BASE = ["data.max_length=128", "train.batch_size=32", "train.gradient_accumulation_steps=1"]
@@ -144,7 +144,7 @@ def train_accuracy(overrides: list[str], run_dir: Path, seed: int | None = None)
 
 def real_rows(cfg: Config, n: int) -> tuple[list[str], list[int], list[str]]:
     """The first n SST-2 training rows (texts, label ids) and the label names."""
-    from finetune.reading import load_raw_splits
+    from finetune.data.reading import load_raw_splits
 
     raw = load_raw_splits(cfg)
     return (
@@ -229,7 +229,7 @@ def main() -> int:
                 row["memory"] = "not run (--no-memory)"
             elif eight_bit and not cuda:
                 # planned for CUDA with the bitsandbytes state stand-in; nothing to measure here
-                from finetune.planner import plan
+                from finetune.memory.planner import plan
 
                 p = plan(cfg, device="cuda", micro_sizes=[micro], tokenizer=tok, label_names=names)
                 row["predicted_mib"] = p.rows[0].peak_bytes / MiB

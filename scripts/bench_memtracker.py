@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("FINETUNE_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 
-from finetune import memory as mem  # noqa: E402
-from finetune.config_io import load_config  # noqa: E402
-from finetune.model import build_model, build_tokenizer  # noqa: E402
-from finetune.reading import load_raw_splits  # noqa: E402
+from finetune.config.files import load_config  # noqa: E402
+from finetune.data.reading import load_raw_splits  # noqa: E402
+from finetune.memory import monitor as mem  # noqa: E402
+from finetune.model.load import build_model, build_tokenizer  # noqa: E402
 
 
 def main() -> int:

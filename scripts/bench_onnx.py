@@ -45,8 +45,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.export import export_onnx
-    from finetune.model import resolve_model_path
+    from finetune.deploy.export import export_onnx
+    from finetune.model.load import resolve_model_path
 
     torch.set_num_threads(args.threads)
     data_dir = Path(os.environ.get("FINETUNE_DATA_DIR") or ROOT.parent / "shared" / "data")

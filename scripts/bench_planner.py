@@ -26,12 +26,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_families import FAMILIES, family_config, train_tokenizer  # noqa: E402
 
-from finetune import checkpoint as ckpt  # noqa: E402
-from finetune.config_io import load_config  # noqa: E402
-from finetune.model import build_tokenizer  # noqa: E402
-from finetune.peak import MiB  # noqa: E402
-from finetune.planner import predict_peak  # noqa: E402
+from finetune.config.files import load_config  # noqa: E402
+from finetune.memory.peak import MiB  # noqa: E402
+from finetune.memory.planner import predict_peak  # noqa: E402
+from finetune.model.load import build_tokenizer  # noqa: E402
 from finetune.train import main as train_main  # noqa: E402
+from finetune.training import checkpoint as ckpt  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "full fp32": {},

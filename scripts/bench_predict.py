@@ -99,7 +99,7 @@ QUANTIZE_SETTINGS = {
 
 def quantize_settings(fp32: Path, work: Path, dev: list[str], gold: list[str], threads: int) -> dict[str, float]:
     """SST-2 dev accuracy of fp32 and of `quantize_dynamic` (QInt8 weights) under each of QUANTIZE_SETTINGS, in
-    this process, through finetune.predict's ONNX Runtime path."""
+    this process, through finetune.deploy.predict's ONNX Runtime path."""
     import shutil
 
     import numpy as np
@@ -107,7 +107,7 @@ def quantize_settings(fp32: Path, work: Path, dev: list[str], gold: list[str], t
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from transformers import AutoTokenizer
 
-    from finetune.predict import OnnxClassifier, model_logits
+    from finetune.deploy.predict import OnnxClassifier, model_logits
 
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(fp32)

@@ -32,7 +32,7 @@ from bench_imbalance import run
 from benchlib import ROOT
 from sklearn.metrics import f1_score
 
-from finetune.fileio import read_jsonl  # importable once benchlib has put the repository on sys.path
+from finetune.core.fileio import read_jsonl  # importable once benchlib has put the repository on sys.path
 
 # Sun et al. 2019, "How to Fine-Tune BERT for Text Classification?": BERT-base with in-task pre-training, test
 # error 3.2 on TREC-6 and 4.8 on AG News trained on all 120,000 rows (the configs here train on 8,000)

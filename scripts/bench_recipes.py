@@ -178,8 +178,8 @@ def init(folder: Path, out: Path, today: bool, work: Path, model: str | None = N
             subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     code = (
         f"import sys\nsys.path.insert(0, {str(src)!r})\n"
-        "try:\n from finetune.initconfig import init_config\n"  # scaffold.py held it until session 20
-        "except ImportError:\n from finetune.scaffold import init_config\n"
+        "try:\n from finetune.init.write import init_config\n"  # scaffold.py held it until session 20
+        "except ImportError:\n from finetune.init.sniff import init_config\n"
         f"print('\\n'.join(init_config(__import__('pathlib').Path({str(folder)!r}), "
         f"__import__('pathlib').Path({str(out)!r}), force=True{f', model={model!r}' if model else ''})))"
     )
@@ -221,9 +221,9 @@ def checkpoint_test_accuracy(run_dir: Path, folder: Path) -> list[dict[str, Any]
     import yaml
     from safetensors.torch import load_file
 
-    from finetune.checkpoint import list_checkpoints, read_progress
-    from finetune.final import load_final
-    from finetune.predict import model_logits
+    from finetune.deploy.final import load_final
+    from finetune.deploy.predict import model_logits
+    from finetune.training.checkpoint import list_checkpoints, read_progress
 
     tokenizer, model = load_final(run_dir / "final")
     names = [model.config.id2label[i] for i in range(model.config.num_labels)]

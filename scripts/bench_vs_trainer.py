@@ -42,13 +42,13 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from finetune.config import Config  # noqa: E402
-from finetune.config_io import load_config  # noqa: E402
-from finetune.data import build_data, build_train_loader  # noqa: E402
-from finetune.fileio import read_jsonl  # noqa: E402
-from finetune.model import build_model, build_tokenizer, resolve_model_path  # noqa: E402
-from finetune.optim import build_optimizer, build_scheduler, planned_steps  # noqa: E402
-from finetune.reading import load_raw_splits  # noqa: E402
+from finetune.config.files import load_config  # noqa: E402
+from finetune.config.schema import Config  # noqa: E402
+from finetune.core.fileio import read_jsonl  # noqa: E402
+from finetune.data.build import build_data, build_train_loader  # noqa: E402
+from finetune.data.reading import load_raw_splits  # noqa: E402
+from finetune.model.load import build_model, build_tokenizer, resolve_model_path  # noqa: E402
+from finetune.training.optim import build_optimizer, build_scheduler, planned_steps  # noqa: E402
 
 BASE_CONFIG = ROOT / "configs" / "sst2-minilm.yaml"
 
@@ -161,7 +161,7 @@ def run_finetune(
     """finetune's real code path; samples/s and padding as its loop logged them (`packed`: data.packing=true).
     `probe.enable()` / `probe.disable()` bracket the loop (a profiler)."""
     import finetune.train as ft
-    from finetune.window import WindowedBatchSampler
+    from finetune.data.window import WindowedBatchSampler
 
     # CPU time of the loop, for a shared machine: from the loop's first set_epoch to the final
     # evaluation (the first evaluate call when there is no evaluation during training)
@@ -482,7 +482,7 @@ def profile_loops(args: argparse.Namespace) -> dict[str, Any]:
     import io
     import pstats
 
-    from finetune.syncs import HostSyncCounter
+    from finetune.core.syncs import HostSyncCounter
 
     class Probe:
         """cProfile and the host-sync counter, on for the loop only."""

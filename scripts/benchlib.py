@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from finetune.config import Config  # noqa: E402
-from finetune.fileio import read_jsonl  # noqa: E402
-from finetune.peak import Measurement, autocast_context, measure_window, train_window  # noqa: E402
-from finetune.planner import build_for_planning  # noqa: E402
+from finetune.config.schema import Config  # noqa: E402
+from finetune.core.fileio import read_jsonl  # noqa: E402
+from finetune.memory.peak import Measurement, autocast_context, measure_window, train_window  # noqa: E402
+from finetune.memory.planner import build_for_planning  # noqa: E402
 
 
 @dataclass

@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from finetune import checkpoint as ckpt  # noqa: E402
-from finetune.fileio import read_jsonl  # noqa: E402
+from finetune.core.fileio import read_jsonl  # noqa: E402
+from finetune.training import checkpoint as ckpt  # noqa: E402
 
 OVERRIDES = [
     "data.max_train_samples={rows}",

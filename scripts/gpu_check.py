@@ -47,7 +47,7 @@ On the lent GPU: the device tool's `run` with carry [".gpu_wheels"], timeout_s 6
     && python3 scripts/gpu_check.py --out $OUT
 
 On a CPU (the suite runs this; same code, tiny shapes, fp16 and the CUDA-only measurements
-recorded as skipped, the OOM injected through finetune/faults.py):
+recorded as skipped, the OOM injected through finetune/core/faults.py):
 
     PYTHONPATH=. .venv/bin/python scripts/gpu_check.py --dry-run --out /tmp/gpu_check
 """
@@ -88,13 +88,13 @@ from bench_memory import LORA, MINILM_ARCH, RUNGS  # noqa: E402
 from bench_vs_trainer import shared_hparams  # noqa: E402
 from benchlib import measure_cuda, measure_real  # noqa: E402
 
-from finetune import faults  # noqa: E402
-from finetune.config import Config  # noqa: E402
-from finetune.config_io import load_config  # noqa: E402
-from finetune.fileio import read_jsonl  # noqa: E402
-from finetune.model import build_model, build_tokenizer  # noqa: E402
-from finetune.peak import MiB  # noqa: E402
-from finetune.planner import predict_peak  # noqa: E402
+from finetune.config.files import load_config  # noqa: E402
+from finetune.config.schema import Config  # noqa: E402
+from finetune.core import faults  # noqa: E402
+from finetune.core.fileio import read_jsonl  # noqa: E402
+from finetune.memory.peak import MiB  # noqa: E402
+from finetune.memory.planner import predict_peak  # noqa: E402
+from finetune.model.load import build_model, build_tokenizer  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12  # KINDS.md: an 8192^3 bf16 matmul ran at 769-798 TFLOP/s on random data
 LABELS = ["negative", "positive"]
@@ -498,12 +498,12 @@ def precision_section(
 
 @contextlib.contextmanager
 def counted_syncs(counts: dict[str, int]) -> Iterator[None]:
-    """Host synchronisations while active: reads of tensor values on the host (`finetune.syncs.HostSyncCounter`
+    """Host synchronisations while active: reads of tensor values on the host (`finetune.core.syncs.HostSyncCounter`
     patches `Tensor.item`, `tolist`, `cpu`, `__bool__`, `__float__`, ...; on CPU the only count) and, on CUDA,
     the warnings of `torch.cuda.set_sync_debug_mode("warn")` (every op that waits for the device)."""
     import warnings
 
-    from finetune.syncs import HostSyncCounter
+    from finetune.core.syncs import HostSyncCounter
 
     cuda = torch.cuda.is_available()
     with HostSyncCounter() as reads, warnings.catch_warnings(record=True) as caught:
@@ -864,7 +864,7 @@ def trainer_section(w: Workload, precision: list[dict[str, Any]], clock: Clock) 
 @contextlib.contextmanager
 def memory_cap(w: Workload, micro: int) -> Iterator[dict[str, Any]]:
     """CUDA: `set_per_process_memory_fraction` halfway between the planned peaks of micro/2 and micro
-    (bf16, every row max_length tokens); CPU: the OOM injected at step 1 (finetune/faults.py)."""
+    (bf16, every row max_length tokens); CPU: the OOM injected at step 1 (finetune/core/faults.py)."""
     info: dict[str, Any] = {}
     if not torch.cuda.is_available():
         old = os.environ.get(faults.ENV)

@@ -153,9 +153,9 @@ def sgd_from_saved_start(directory: Path, updates: dict[str, Any], seed: int) ->
     (config, tokenizer, tokenized data, the in-memory model, the config path) for a plain-torch reference."""
     import torch
 
-    from finetune.config_io import load_config
-    from finetune.data import build_data
-    from finetune.model import build_model, build_tokenizer
+    from finetune.config.files import load_config
+    from finetune.data.build import build_data
+    from finetune.model.load import build_model, build_tokenizer
 
     scratch = load_config(write_tiny_config(directory, updates, name="scratch.yaml"))
     tok = build_tokenizer(scratch)

@@ -17,12 +17,12 @@ from sklearn.metrics import accuracy_score, f1_score
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
-from finetune.errors import UserError
-from finetune.metrics import bootstrap_ci, compute_metrics, headline_metrics
-from finetune.model import reinit_top_layers
-from finetune.optim import build_optimizer, parameter_groups
-from finetune.tasks import PROBLEM_TYPES
+from finetune.config.files import load_config
+from finetune.config.tasks import PROBLEM_TYPES
+from finetune.core.errors import UserError
+from finetune.evaluation.metrics import bootstrap_ci, compute_metrics, headline_metrics
+from finetune.model.load import reinit_top_layers
+from finetune.training.optim import build_optimizer, parameter_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,7 +100,7 @@ def test_parameter_groups_give_each_layer_its_decayed_rate(family: str, lora: bo
     model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(family, num_labels=3, **arch))
     updates = {"train.layer_lr_decay": 0.5, "train.head_learning_rate": 7e-3, "train.learning_rate": 1e-3}
     if lora:
-        from finetune.model import add_lora
+        from finetune.model.load import add_lora
 
         cfg = load_config(write_tiny_config(tmp_path, {**updates, "model.lora": {"r": 2}}))
         model = add_lora(model, cfg.model.lora)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, write_tiny_config
 
-from finetune.config_io import load_config
-from finetune.reading import load_raw_splits
+from finetune.config.files import load_config
+from finetune.data.reading import load_raw_splits
 from finetune.train import main as train_main
 
 GOOD_TRAIN = (
@@ -241,7 +241,7 @@ def test_position_limit_of_families() -> None:
     its positions, DeBERTa-v3 (relative attention) and configs without positions have none."""
     from transformers import AutoConfig
 
-    from finetune.model import position_limit
+    from finetune.model.load import position_limit
 
     assert position_limit(AutoConfig.for_model("bert")) == 512
     assert position_limit(AutoConfig.for_model("roberta", max_position_embeddings=514, pad_token_id=1)) == 512

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from finetune import checkpoint as ckpt
-from finetune import faults, runtime
-from finetune.budget import TimeBudget
+from finetune.core import faults
 from finetune.train import main
+from finetune.training import checkpoint as ckpt
+from finetune.training import runtime
+from finetune.training.budget import TimeBudget
 
 # 256 rows in windows of 32: 8 steps an epoch, 2 epochs; an evaluation and a checkpoint every 2 steps
 BUDGET = {

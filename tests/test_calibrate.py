@@ -1,4 +1,4 @@
-"""Temperature scaling (finetune/calibrate.py): ECE and Brier against hand computations, the fitted
+"""Temperature scaling (finetune/evaluation/calibrate.py): ECE and Brier against hand computations, the fitted
 temperature against a brute-force search, the fold into the output layer against dividing the logits
 (plain and LoRA), and a run whose final/ gives the calibrated probabilities eval.json reports."""
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import checkpoint as ckpt
-from finetune.calibrate import brier, calibrate, ece, fit_temperature, fold_temperature, nll
-from finetune.config_io import load_config
-from finetune.final import load_final
-from finetune.model import build_model, build_tokenizer
-from finetune.predict import predict_texts
+from finetune.config.files import load_config
+from finetune.deploy.final import load_final
+from finetune.deploy.predict import predict_texts
+from finetune.evaluation.calibrate import brier, calibrate, ece, fit_temperature, fold_temperature, nll
+from finetune.model.load import build_model, build_tokenizer
 from finetune.train import main
+from finetune.training import checkpoint as ckpt
 
 
 def test_ece_and_brier_by_hand() -> None:

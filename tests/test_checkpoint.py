@@ -15,10 +15,11 @@ import torch
 import yaml
 from accelerate import Accelerator
 
-from finetune import checkpoint as ckpt
-from finetune import faults, runtime
-from finetune.errors import UserError
-from finetune.fileio import file_sha256, read_jsonl
+from finetune.core import faults
+from finetune.core.errors import UserError
+from finetune.core.fileio import file_sha256, read_jsonl
+from finetune.training import checkpoint as ckpt
+from finetune.training import runtime
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +181,7 @@ def test_best_within_standard_errors_takes_the_latest_near_checkpoint_against_th
 
 
 def test_best_within_se_needs_a_proportion(tmp_path: Path) -> None:
-    from finetune.config_io import validate_config
+    from finetune.config.files import validate_config
 
     raw = {"run": {"output_dir": str(tmp_path)}, "data": {"train_file": "x.csv"}}
     assert validate_config({**raw, "checkpoint": {"best_within_se": 1}}).checkpoint.best_within_se == 1.0
@@ -214,7 +215,7 @@ def test_best_and_early_stopping_counter() -> None:
 
 
 def _cfg(tmp_path: Path, **changes: Any) -> dict[str, Any]:
-    from finetune.config_io import validate_config
+    from finetune.config.files import validate_config
 
     raw = {"run": {"output_dir": str(tmp_path / "run"), "seed": 1}, "data": {"train_file": "x.csv"}}
     for key, value in changes.items():
@@ -348,7 +349,7 @@ def test_configure_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Path) -> None:
-    from finetune.config_io import keys_that_may_change_on_resume
+    from finetune.config.files import keys_that_may_change_on_resume
 
     # checkpoint.HARMLESS_KEYS as it stood before the schema declared these keys (config.MAY_CHANGE_ON_RESUME):
     # resume accepts and refuses the same keys; a key added here is a decision about resume, not a chore

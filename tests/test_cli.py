@@ -199,7 +199,7 @@ def test_predict_texts_feeds_text_pairs(tiny_run: Path) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.predict import predict_texts
+    from finetune.deploy.predict import predict_texts
 
     tok = AutoTokenizer.from_pretrained(tiny_run / "final")
     model = AutoModelForSequenceClassification.from_pretrained(tiny_run / "final").eval()

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from conftest import CONFIGS, write_tiny_config
 
-from finetune.config import Config
-from finetune.config_io import dump_config, load_config, parse_yaml12, validate_config
-from finetune.errors import UserError
+from finetune.config.files import dump_config, load_config, parse_yaml12, validate_config
+from finetune.config.schema import Config
+from finetune.core.errors import UserError
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
 
@@ -244,7 +244,7 @@ def test_every_field_has_a_description() -> None:
 
 
 def test_generated_reference_and_json_schema_are_current() -> None:
-    from finetune.config_docs import json_schema, schema_markdown
+    from finetune.config.docs import json_schema, schema_markdown
 
     root = CONFIGS.parent
     stale = "stale: run finetune config --markdown > docs/CONFIG.md"

@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import CONFIGS
 
-from finetune.collate import Collator
-from finetune.config import Config
-from finetune.config_io import load_config
-from finetune.data import build_data_report, tokenize_split
-from finetune.reading import load_raw_splits
+from finetune.config.files import load_config
+from finetune.config.schema import Config
+from finetune.data.build import build_data_report, tokenize_split
+from finetune.data.collate import Collator
+from finetune.data.reading import load_raw_splits
 
 
 def _splits(name: str, overrides: list[str] | None = None):
@@ -100,7 +100,7 @@ def test_trec_rows_and_labels(data_dir: Path) -> None:
 
 
 def test_trec_utf8_fails_with_line_number(data_dir: Path) -> None:
-    from finetune.errors import UserError
+    from finetune.core.errors import UserError
 
     with pytest.raises(
         UserError, match=r"train_5500\.label line \d+: byte 0xf0 is not valid utf-8; set data\.encoding"
@@ -132,7 +132,7 @@ def test_stratified_split_is_seeded(data_dir: Path) -> None:
 
 
 def test_data_report_counts(data_dir: Path) -> None:
-    from finetune.model import build_tokenizer
+    from finetune.model.load import build_tokenizer
 
     cfg, raw = _splits("trec-minilm.yaml", ["data.max_length=8", "data.max_train_samples=300"])
     tok = build_tokenizer(cfg)
@@ -153,7 +153,7 @@ def test_data_report_counts(data_dir: Path) -> None:
 
 
 def test_collator_pads_and_carries_window(data_dir: Path) -> None:
-    from finetune.model import build_tokenizer
+    from finetune.model.load import build_tokenizer
 
     cfg = load_config(CONFIGS / "tiny-debug.yaml")
     tok = build_tokenizer(cfg)
@@ -170,8 +170,8 @@ def test_collator_pads_as_the_tokenizer_does(data_dir: Path, side: str) -> None:
     """The collator's own padding against `tokenizer.pad` (the reference it replaces on the hot path)."""
     import datasets
 
-    from finetune.model import build_tokenizer
-    from finetune.window import WindowedDataset
+    from finetune.data.window import WindowedDataset
+    from finetune.model.load import build_tokenizer
 
     tok = build_tokenizer(load_config(CONFIGS / "tiny-debug.yaml"))
     tok.padding_side = side
@@ -240,7 +240,7 @@ def test_local_formats_read_alike(tmp_path: Path) -> None:
 def test_saved_dataset_dict_asks_for_a_split(tmp_path: Path) -> None:
     import datasets
 
-    from finetune.errors import UserError
+    from finetune.core.errors import UserError
 
     datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS)}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(UserError, match=r"saved DatasetDict.*\(train\)"):
@@ -250,7 +250,7 @@ def test_saved_dataset_dict_asks_for_a_split(tmp_path: Path) -> None:
 
 
 def test_text_pair_column(tmp_path: Path, data_dir: Path) -> None:
-    from finetune.model import build_tokenizer
+    from finetune.model.load import build_tokenizer
 
     (tmp_path / "pairs.csv").write_text("premise,hypothesis,label\nit rains,it is wet,1\nit rains,it is dry,0\n")
     cfg = _local_cfg(tmp_path, "pairs.csv", {"data.text_column": "premise", "data.text_pair_column": "hypothesis"})
@@ -265,9 +265,9 @@ def test_text_pair_column(tmp_path: Path, data_dir: Path) -> None:
 def test_swap_pairs_trains_both_orders(tmp_path: Path, data_dir: Path) -> None:
     """data.swap_pairs: training holds every pair as given and as (second, first), each as the tokenizer
     encodes it called directly, with its label and a text id of its own; validation stays as given."""
-    from finetune.data import build_data, format_data_report
-    from finetune.errors import UserError
-    from finetune.model import build_tokenizer
+    from finetune.core.errors import UserError
+    from finetune.data.build import build_data, format_data_report
+    from finetune.model.load import build_tokenizer
 
     (tmp_path / "pairs.csv").write_text("a,b,label\nit rains,it is wet,1\nthe sun is out,it is dark outside,0\n")
     pair = {"data.text_column": "a", "data.text_pair_column": "b"}
@@ -290,7 +290,7 @@ def test_hub_dataset_path_without_network(monkeypatch: pytest.MonkeyPatch) -> No
     (hub SST-2 has ClassLabel labels)."""
     import datasets
 
-    import finetune.reading as data_mod
+    import finetune.data.reading as data_mod
 
     features = datasets.Features(
         {

@@ -20,12 +20,13 @@ import torch
 from conftest import TINY_FAMILY_RUN, write_tiny_config
 from safetensors.torch import load_file
 
-from finetune import checkpoint as ckpt
-from finetune import faults, runtime
-from finetune.config_io import load_config
-from finetune.errors import UserError
-from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names, quiet_peft_deprecation
+from finetune.config.files import load_config
+from finetune.core import faults
+from finetune.core.errors import UserError
+from finetune.model.load import build_model, build_tokenizer, choose_pad_token, head_names, quiet_peft_deprecation
 from finetune.train import main
+from finetune.training import checkpoint as ckpt
+from finetune.training import runtime
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -277,7 +278,7 @@ def test_right_and_left_padding_give_the_text_alone(family: str, tokenizers: dic
 def test_pad_choice_skips_tokens_inside_the_texts(tokenizers: dict[str, Path], tmp_path: Path) -> None:
     import datasets
 
-    from finetune.model import NEW_PAD_TOKEN, pad_candidates
+    from finetune.model.load import NEW_PAD_TOKEN, pad_candidates
 
     # Llama 3's layout: eos never inside a text -> pad = eos, no new token
     tok, model = _built("llama", tokenizers, tmp_path / "a")
@@ -482,7 +483,7 @@ def test_bf16_modes_train_and_keep_buffers_fp32(
 def test_bf16_true_buffers_stay_fp32_and_the_audit_checks_them(
     family: str, tokenizers: dict[str, Path], tmp_path: Path
 ) -> None:
-    from finetune.precision import apply_precision_policy, check_audit, dtype_audit
+    from finetune.model.precision import apply_precision_policy, check_audit, dtype_audit
 
     tok, model = _built(family, tokenizers, tmp_path)
     with torch.no_grad():
@@ -505,7 +506,7 @@ def test_bf16_true_buffers_stay_fp32_and_the_audit_checks_them(
 
 
 def test_fp16_is_refused_for_gemma_and_accepted_elsewhere(tokenizers: dict[str, Path], tmp_path: Path) -> None:
-    from finetune.precision import FP16_REFUSED, apply_precision_policy, check_family_precision
+    from finetune.model.precision import FP16_REFUSED, apply_precision_policy, check_family_precision
 
     for family in FAMILIES:
         if family in FP16_REFUSED:
@@ -535,7 +536,7 @@ def test_packing_is_refused_for_a_decoder(
 
 @pytest.mark.slow
 def test_the_planner_runs_for_every_family(tokenizers: dict[str, Path], tmp_path: Path) -> None:
-    from finetune.planner import plan
+    from finetune.memory.planner import plan
 
     peaks = {}
     for family in FAMILIES:

@@ -153,8 +153,8 @@ def test_fsdp_lora_export_best_equals_one_process(runs: dict) -> None:
 def test_fsdp_planner_per_rank_against_each_rank_measured(runs: dict) -> None:
     """Each rank's measured peak (MemTracker in the run, memory.json `ranks`) against `plan(..., shards=2)`:
     parameters, gradients and optimizer state halved, plus the largest unit gathered whole."""
-    from finetune.config_io import load_config
-    from finetune.planner import plan
+    from finetune.config.files import load_config
+    from finetune.memory.planner import plan
 
     d = runs["dir"]
     one = json.loads((d / "full1" / "memory.json").read_text())
@@ -199,9 +199,9 @@ def _fsdp_accelerator(state_dict_type: str = "SHARDED_STATE_DICT") -> SimpleName
 def test_fsdp_refuses_what_cannot_shard(tmp_path: Path, overrides: dict, words: list[str]) -> None:
     from conftest import write_tiny_config
 
-    from finetune.config_io import load_config
-    from finetune.errors import UserError
-    from finetune.runtime import check_fsdp
+    from finetune.config.files import load_config
+    from finetune.core.errors import UserError
+    from finetune.training.runtime import check_fsdp
 
     cfg = load_config(write_tiny_config(tmp_path, overrides))
     with pytest.raises(UserError) as info:
@@ -216,8 +216,8 @@ def test_fsdp_refuses_what_cannot_shard(tmp_path: Path, overrides: dict, words: 
 def test_resume_refuses_a_checkpoint_of_another_layout(tmp_path: Path) -> None:
     from accelerate.utils import DistributedType
 
-    from finetune.checkpoint import check_state_layout
-    from finetune.errors import UserError
+    from finetune.core.errors import UserError
+    from finetune.training.checkpoint import check_state_layout
 
     whole, sharded, full = tmp_path / "whole", tmp_path / "sharded", tmp_path / "full"
     (sharded / "pytorch_model_fsdp_0").mkdir(parents=True)

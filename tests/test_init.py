@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
-from finetune.data import build_data
-from finetune.initconfig import load_config_for_tokenizer
-from finetune.model import build_tokenizer, resolve_model_path
-from finetune.reading import load_raw_splits
-from finetune.recipe import recipe
-from finetune.tasks import MULTI, REGRESSION, SINGLE
+from finetune.config.files import load_config
+from finetune.config.tasks import MULTI, REGRESSION, SINGLE
+from finetune.data.build import build_data
+from finetune.data.reading import load_raw_splits
+from finetune.init.recipe import recipe
+from finetune.init.write import load_config_for_tokenizer
+from finetune.model.load import build_tokenizer, resolve_model_path
 from finetune.train import main as train_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

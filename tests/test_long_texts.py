@@ -19,13 +19,13 @@ from conftest import PLAIN_SGD, sgd_from_saved_start, write_tiny_config
 from safetensors.torch import load_file
 
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
-from finetune.data import Windowing, encode_texts, sample_weights
-from finetune.metrics import per_text
-from finetune.model import build_tokenizer
-from finetune.precision import fp32_per_sample_loss
+from finetune.config.files import load_config
+from finetune.data.build import Windowing, encode_texts, sample_weights
+from finetune.data.window import WindowedBatchSampler
+from finetune.evaluation.metrics import per_text
+from finetune.model.load import build_tokenizer
+from finetune.model.precision import fp32_per_sample_loss
 from finetune.train import main
-from finetune.window import WindowedBatchSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 

@@ -18,10 +18,11 @@ from conftest import write_tiny_config
 from safetensors.torch import load_file
 
 import finetune.train as train_mod
-from finetune import checkpoint as ckpt
-from finetune import faults, runtime
 from finetune.assemble import build_eval_loaders
-from finetune.config_io import load_config
+from finetune.config.files import load_config
+from finetune.core import faults
+from finetune.training import checkpoint as ckpt
+from finetune.training import runtime
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 
@@ -140,8 +141,8 @@ def test_options_that_need_validation_data_are_refused(tmp_path: Path, capfd: py
 
 
 def test_evaluation_loaders_use_data_num_workers(tmp_path: Path) -> None:
-    from finetune.data import build_data
-    from finetune.model import build_tokenizer
+    from finetune.data.build import build_data
+    from finetune.model.load import build_tokenizer
 
     cfg = load_config(_cfg(tmp_path), ["data.num_workers=1", "data.max_eval_samples=8"])
     tok = build_tokenizer(cfg)
@@ -152,7 +153,7 @@ def test_evaluation_loaders_use_data_num_workers(tmp_path: Path) -> None:
 def test_final_predicts_with_the_training_max_length(tiny_run: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.predict import predict_texts
+    from finetune.deploy.predict import predict_texts
 
     train_len = load_config(tiny_run / "config.yaml").data.max_length
     tok = AutoTokenizer.from_pretrained(tiny_run / "final")

@@ -12,11 +12,11 @@ import torch
 from conftest import ROOT, write_tiny_config
 from safetensors.torch import load_file
 
-from finetune import checkpoint as ckpt
-from finetune import memory as mem
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
+from finetune.config.files import load_config
+from finetune.memory import monitor as mem
 from finetune.train import main as train_main
+from finetune.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -255,7 +255,7 @@ def test_memory_png_shows_the_breakdown_beside_the_plan(tmp_path: Path, data_dir
 
 
 def test_trackers_get_the_whole_config_as_dotted_scalars() -> None:
-    from finetune.config_io import flat_config, load_config
+    from finetune.config.files import flat_config, load_config
 
     flat = flat_config(load_config(ROOT / "configs" / "goemotions-minilm.yaml"))
     assert flat["model.problem_type"] == "multi_label_classification" and flat["train.learning_rate"] == 1e-4
@@ -286,7 +286,7 @@ _HEAVY_WINDOW = """
 import json, re
 from pathlib import Path
 import torch
-from finetune import memory
+from finetune.memory import monitor as memory
 
 MIB = 1 << 20
 def rss():

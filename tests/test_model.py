@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import TINY
 
-from finetune.config_io import load_config
-from finetune.errors import UserError
-from finetune.model import build_model, build_tokenizer, exportable
+from finetune.config.files import load_config
+from finetune.core.errors import UserError
+from finetune.model.load import build_model, build_tokenizer, exportable
 
 NAMES = ["negative", "positive"]
 
@@ -87,7 +87,7 @@ def test_lora_bad_target_module_is_a_user_error() -> None:
 def test_optimizer_choices() -> None:
     from transformers.optimization import Adafactor
 
-    from finetune.optim import build_optimizer
+    from finetune.training.optim import build_optimizer
 
     model, tok = _model()
     assert isinstance(build_optimizer(load_config(TINY, ["train.optimizer=adafactor"]), model), Adafactor)
@@ -131,7 +131,7 @@ def test_model_dropout_sets_every_dropout_of_the_model() -> None:
     and the config keys final/config.json is written from; Llama's attention reads a float attribute."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from finetune.model import set_dropout
+    from finetune.model.load import set_dropout
 
     drop = ("model.architecture.hidden_dropout_prob=0.3", "model.architecture.attention_probs_dropout_prob=0.3")
     model, tok = _model(*drop, "model.dropout=0")
@@ -170,7 +170,7 @@ def test_pooler_init_identity_passes_the_cls_state_through_tanh() -> None:
     a pooler is a one-line error."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from finetune.families import identity_pooler
+    from finetune.model.families import identity_pooler
 
     model, tok = _model("model.pooler_init=identity")
     batch = _batch(tok)

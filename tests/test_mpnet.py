@@ -18,9 +18,9 @@ import pytest
 import torch
 from conftest import CONFIGS, TINY, TINY_FAMILY_RUN, write_tiny_config
 
-from finetune import sources
-from finetune.errors import UserError
-from finetune.sources import SplitZip, hub_id, resolve_model_path
+from finetune.core.errors import UserError
+from finetune.model import sources
+from finetune.model.sources import SplitZip, hub_id, resolve_model_path
 
 FOLDER = "all-mpnet-base-v2"
 TINY_CFG = TINY
@@ -224,8 +224,8 @@ def mpnet_config(directory: Path, tok: Path, **updates: Any) -> Path:
 
 
 def _built(directory: Path, tok: Path, **updates: Any) -> tuple[Any, Any]:
-    from finetune.config_io import load_config
-    from finetune.model import build_model, build_tokenizer
+    from finetune.config.files import load_config
+    from finetune.model.load import build_model, build_tokenizer
 
     cfg = load_config(mpnet_config(directory, tok, **updates))
     tokenizer = build_tokenizer(cfg)
@@ -241,8 +241,8 @@ def test_pooler_init_auto_sets_the_identity_only_for_a_sentence_transformers_poo
     is not refused)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.config_io import load_config
-    from finetune.model import build_model, build_tokenizer
+    from finetune.config.files import load_config
+    from finetune.model.load import build_model, build_tokenizer
 
     bert = {k: v for k, v in MPNET.items() if k != "model_type"}
     saved = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("bert", vocab_size=30522, **bert))
@@ -261,7 +261,7 @@ def test_pooler_init_auto_sets_the_identity_only_for_a_sentence_transformers_poo
         assert torch.equal(model.bert.pooler.dense.weight, want), (name, how)
     assert load_config(TINY_CFG).model.pooler_init == "auto"
     # the demo's MiniLM is a sentence-transformers folder: auto gives it the identity the demo measured
-    from finetune.families import is_sentence_transformers
+    from finetune.model.families import is_sentence_transformers
 
     assert load_config(DEMO).model.pooler_init == "auto" and is_sentence_transformers(resolve_model_path("minilm-l6"))
     # the demo config, the model swapped: MPNet has no pooler, auto leaves it; identity is refused in one line
@@ -315,8 +315,8 @@ def test_lora_targets_mpnet_query_and_value(mpnet_tok: Path, tmp_path: Path) -> 
 
 def test_packed_logits_equal_unpacked(mpnet_tok: Path, tmp_path: Path) -> None:
     """MPNet packs: positions restart after the pad id, and its relative attention bias depends on j - i only."""
-    from finetune.collate import Collator
-    from finetune.packing import PackingCollator, attention_cost, packed_logits
+    from finetune.data.collate import Collator
+    from finetune.data.packing import PackingCollator, attention_cost, packed_logits
 
     tokenizer, model = _built(tmp_path, mpnet_tok)
     model.eval()
@@ -335,9 +335,9 @@ def test_packed_logits_equal_unpacked(mpnet_tok: Path, tmp_path: Path) -> None:
 
 def test_pairs_get_mpnets_double_separator(mpnet_tok: Path, tmp_path: Path) -> None:
     """Sentence pairs as MPNet was trained on them: <s> A </s></s> B </s>, the tokenizer called directly."""
-    from finetune.config_io import load_config
-    from finetune.data import build_data
-    from finetune.model import build_tokenizer
+    from finetune.config.files import load_config
+    from finetune.data.build import build_data
+    from finetune.model.load import build_tokenizer
 
     pairs = [("a fine film", "a good movie", 1), ("it rains", "the sun is out", 0)] * 4
     for split in ("train", "dev"):
@@ -374,9 +374,10 @@ def test_the_alias_trains_resumes_exports_and_predicts(
     from test_publish import _onnx_vs_torch
     from transformers import AutoConfig, AutoModelForSequenceClassification, pipeline
 
-    from finetune import faults, runtime
     from finetune.cli import main as cli_main
+    from finetune.core import faults
     from finetune.train import main
+    from finetune.training import runtime
 
     arch = {k: v for k, v in MPNET.items() if k != "model_type"}
     model = AutoModelForSequenceClassification.from_config(
@@ -444,8 +445,8 @@ def test_the_alias_trains_resumes_exports_and_predicts(
 def test_pure_bf16_keeps_mpnets_norms_fp32(mpnet_tok: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from finetune import checkpoint as ckpt
     from finetune.train import main
+    from finetune.training import checkpoint as ckpt
 
     cfg = mpnet_config(tmp_path, mpnet_tok, **{"precision.mode": "bf16-true"})
     assert main(["--config", str(cfg)]) == 0
@@ -462,8 +463,8 @@ def test_pure_bf16_keeps_mpnets_norms_fp32(mpnet_tok: Path, tmp_path: Path) -> N
 
 
 def test_the_mpnet_recipe_and_micro_batch() -> None:
-    from finetune.recipe import micro_batch, recipe
-    from finetune.tasks import SINGLE
+    from finetune.config.tasks import SINGLE
+    from finetune.init.recipe import micro_batch, recipe
 
     assert recipe(SINGLE, 500, "mpnet-base") == {"epochs": 3, "learning_rate": 2e-5, "warmup_ratio": 0.06}
     assert recipe(SINGLE, 500)["epochs"] == 10 and recipe(SINGLE, 500)["learning_rate"] == 1e-4  # MiniLM's as before
@@ -480,7 +481,7 @@ def test_init_with_mpnet_writes_its_recipe_and_the_file_trains(
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from finetune.cli import main as cli_main
-    from finetune.config_io import load_config
+    from finetune.config.files import load_config
 
     arch = {k: v for k, v in MPNET.items() if k not in ("model_type", "max_position_embeddings")}
     folder = tmp_path / "tiny-mpnet"  # all-mpnet-base-v2's positions (514) at tiny width

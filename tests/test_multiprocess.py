@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.window import WindowedBatchSampler
+from finetune.data.window import WindowedBatchSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
@@ -50,7 +50,7 @@ def _free_port() -> int:
 
 def _launch_two(config: Path, overrides: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch --multi_gpu --num_processes 2` of finetune/train.py on CPU (gloo), with a
-    test-only `fault` (finetune/faults.py) when given."""
+    test-only `fault` (finetune/core/faults.py) when given."""
     env = {
         **os.environ,
         "ACCELERATE_USE_CPU": "1",
@@ -330,9 +330,9 @@ def sgd_setup(tmp_path_factory: pytest.TempPathFactory) -> SgdSetup:
 
     require_data()
 
-    from finetune.config_io import load_config
-    from finetune.data import build_data
-    from finetune.model import build_model, build_tokenizer
+    from finetune.config.files import load_config
+    from finetune.data.build import build_data
+    from finetune.model.load import build_model, build_tokenizer
 
     d = tmp_path_factory.mktemp("sgd")
     scratch = load_config(write_tiny_config(d, SGD, name="scratch.yaml"))
@@ -371,7 +371,7 @@ def sgd_two_process_run(sgd_setup: SgdSetup, tmp_path_factory: pytest.TempPathFa
     """One run over two launches: 1 process (micro-batch 8) stopped by SIGTERM after step 1, resumed
     on 2 processes (micro-batch 4) for steps 2 and 3; a checkpoint and an evaluation every step,
     export=best. Returns the run directory and the 2-process launch's stderr."""
-    from finetune import faults
+    from finetune.core import faults
     from finetune.train import main
 
     run = tmp_path_factory.mktemp("sgd_two") / "run"
@@ -433,7 +433,7 @@ def test_export_best_under_ddp(sgd_setup: SgdSetup, sgd_two_process_run: tuple[P
     "cpu:0"): final/ holds the best checkpoint's weights, whatever wrapper prefix its keys carry, and
     eval.json names its step."""
     run, log = sgd_two_process_run
-    from finetune import checkpoint as ckpt
+    from finetune.training import checkpoint as ckpt
 
     best = ckpt.best_checkpoint(run, "accuracy")
     assert best is not None
@@ -495,7 +495,7 @@ def test_time_budget_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("time budget of 1.5 minutes (train.max_minutes) spent at step 3") == 1, proc.stderr[-3000:]
-    from finetune import checkpoint as ckpt
+    from finetune.training import checkpoint as ckpt
 
     last = ckpt.newest_valid_checkpoint(run)
     progress = ckpt.read_progress(last)

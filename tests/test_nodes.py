@@ -16,9 +16,9 @@ import pytest
 from safetensors.torch import load_file
 from test_multiprocess import _free_port
 
-from finetune import faults
-from finetune.errors import UserError
-from finetune.runtime import check_cpu_launch, cpu_flag_lost_processes
+from finetune.core import faults
+from finetune.core.errors import UserError
+from finetune.training.runtime import check_cpu_launch, cpu_flag_lost_processes
 
 # what `accelerate launch --cpu --num_processes 2` exported to its one child (accelerate 1.15's simple launcher)
 CPU_FLAG_CHILD = {
@@ -201,7 +201,7 @@ def test_a_silent_rank_is_lost_after_the_peer_timeout_and_a_finished_one_is_not(
 ) -> None:
     """The main process's view of the beats (runtime._watch_peers) on a clock of its own: rank 1 beats,
     rank 2 stops after its first beat, rank 3 stops but has ended normally (its "done" mark)."""
-    from finetune import runtime
+    from finetune.training import runtime
 
     clock = [0.0]
     monkeypatch.setattr(runtime.time, "monotonic", lambda: clock[0])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from finetune.config_io import load_config
-from finetune.optim import build_scheduler
+from finetune.config.files import load_config
+from finetune.training.optim import build_scheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,10 +14,10 @@ import torch
 from conftest import TINY
 from safetensors.torch import load_file
 
-from finetune.collate import Collator
-from finetune.config_io import load_config
-from finetune.model import build_model, build_tokenizer
-from finetune.packing import PackingCollator, attention_cost, pack_rows, packed_logits
+from finetune.config.files import load_config
+from finetune.data.collate import Collator
+from finetune.data.packing import PackingCollator, attention_cost, pack_rows, packed_logits
+from finetune.model.load import build_model, build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,17 +14,17 @@ import pytest
 import torch
 from conftest import TINY
 
-from finetune.config_io import load_config
-from finetune.errors import UserError
-from finetune.peak import CATEGORIES, CUDA_ALLOCATOR_FRACTION, CUDA_CONTEXT_BYTES
-from finetune.planner import plan, predict_peak
+from finetune.config.files import load_config
+from finetune.core.errors import UserError
+from finetune.memory.peak import CATEGORIES, CUDA_ALLOCATOR_FRACTION, CUDA_CONTEXT_BYTES
+from finetune.memory.planner import plan, predict_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from benchlib import measure_real  # noqa: E402  (the real-tensor reference lives with the benchmarks)
 
 
 def _real_rows(cfg: Any, n: int) -> tuple[list[str], list[int], list[str]]:
-    from finetune.reading import load_raw_splits
+    from finetune.data.reading import load_raw_splits
 
     raw = load_raw_splits(cfg)
     texts = raw.train["text"][:n]
@@ -47,7 +47,7 @@ def _real_rows(cfg: Any, n: int) -> tuple[list[str], list[int], list[str]]:
 def test_prediction_within_5_percent_of_a_real_step(
     data_dir: Path, overrides: list[str], micro: int, accumulation: int
 ) -> None:
-    from finetune.model import build_tokenizer
+    from finetune.model.load import build_tokenizer
 
     cfg = load_config(TINY, ["data.max_length=128", *overrides])
     tok = build_tokenizer(cfg)
@@ -64,7 +64,7 @@ def test_prediction_within_5_percent_of_a_real_step(
 @pytest.mark.slow
 def test_frozen_parameters_and_lora_are_planned(data_dir: Path) -> None:
     """MemTracker's hooks fail on frozen parameters and peft fails under FakeTensorMode: both are worked around."""
-    from finetune.model import build_tokenizer
+    from finetune.model.load import build_tokenizer
 
     base = load_config(TINY, ["data.max_length=128"])
     tok = build_tokenizer(base)
@@ -89,7 +89,7 @@ def test_frozen_parameters_and_lora_are_planned(data_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_optimizers_change_the_state_category(data_dir: Path) -> None:
-    from finetune.model import build_tokenizer
+    from finetune.model.load import build_tokenizer
 
     # micro 64 x 128 tokens: the peak is in backward (activations dominate), so the optimizer
     # state at the peak is the persistent state (during step() its temporaries would count too)
@@ -162,7 +162,7 @@ def test_plan_cli_json_and_cuda_margin(data_dir: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.slow
 def test_auto_micro_batch_picks_a_fitting_setting(tiny_config: Callable[..., Path], tmp_path: Path) -> None:
-    from finetune.model import build_tokenizer
+    from finetune.model.load import build_tokenizer
     from finetune.train import main
 
     budget_gb = 0.025
@@ -194,9 +194,9 @@ def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:
     """A CUDA plan keeps no L x L attention probabilities (flash / memory-efficient kernels) and
     counts two cuBLAS workspaces; a CPU plan of the same step keeps them: with attention dropout
     the CPU's SDPA takes its math path (its flash kernel has no dropout), as for MiniLM."""
-    from finetune.model import build_tokenizer
-    from finetune.peak import MiB
-    from finetune.planner import predict_peak
+    from finetune.memory.peak import MiB
+    from finetune.memory.planner import predict_peak
+    from finetune.model.load import build_tokenizer
 
     cfg = load_config(TINY, ["data.max_length=64", "model.architecture.attention_probs_dropout_prob=0.1"])
     tok = build_tokenizer(cfg)
@@ -207,7 +207,7 @@ def test_cuda_plan_counts_attention_as_cuda_kernels_keep_it() -> None:
     arch = cfg.model.architecture or {}
     probabilities = arch["num_hidden_layers"] * B * arch["num_attention_heads"] * L * L * 4  # fp32, saved by softmax
     assert cpu.categories["activations"] - cuda.categories["activations"] >= 0.9 * probabilities
-    from finetune.peak import cublas_workspace_bytes
+    from finetune.memory.peak import cublas_workspace_bytes
 
     # two workspaces: 2 x 32 MiB (Hopper, or a CPU planning for CUDA) unless CUBLAS_WORKSPACE_CONFIG says otherwise
     assert (
@@ -223,9 +223,9 @@ def test_a_deep_decoder_without_checkpointing_is_planned_as_measured() -> None:
     checkpointing was planned at its checkpointed peak, 0.81 of the allocator's). At 2 and 4 layers this
     window peaks below the layer stack (the 30k-row embedding's dense gradient), at 16 in the backward
     through the layers; the truth is MemTracker on real tensors of all 16 layers, no extrapolation."""
-    from finetune.model import build_tokenizer
-    from finetune.peak import measure_window
-    from finetune.planner import build_for_planning, fake_batch_factory, with_layers
+    from finetune.memory.peak import measure_window
+    from finetune.memory.planner import build_for_planning, fake_batch_factory, with_layers
+    from finetune.model.load import build_tokenizer
 
     arch = (
         "{model_type: qwen2, hidden_size: 64, num_hidden_layers: 16, num_attention_heads: 2, "

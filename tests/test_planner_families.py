@@ -16,13 +16,13 @@ import psutil
 import pytest
 from test_families import FAMILIES, NAMES, _sentences, family_config, train_tokenizer
 
-from finetune import checkpoint as ckpt
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
-from finetune.model import build_tokenizer
-from finetune.peak import MiB
-from finetune.planner import predict_peak
+from finetune.config.files import load_config
+from finetune.memory.peak import MiB
+from finetune.memory.planner import predict_peak
+from finetune.model.load import build_tokenizer
 from finetune.train import main
+from finetune.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -89,7 +89,7 @@ def test_an_8bit_plan_matches_the_training_loops_measured_peak(
 
 @pytest.mark.slow
 def test_extrapolating_from_2_and_4_layers_equals_the_full_plan(tokenizers: dict[str, Path], tmp_path: Path) -> None:
-    from finetune import planner
+    from finetune.memory import planner
 
     over = {"model.architecture.num_hidden_layers": 7}
     cfg = load_config(family_config(tmp_path, "qwen2", tokenizers, **over))
@@ -143,5 +143,5 @@ def test_mpnet_full_with_its_checkpointing_plans_as_the_loop_measures(
     tokenizers: dict[str, Path], long_rows: Path, tmp_path: Path
 ) -> None:
     """MPNet has no gradient checkpointing in transformers: its blocks go through torch.utils.checkpoint
-    (finetune/families.py), which the planner must see as the loop does."""
+    (finetune/model/families.py), which the planner must see as the loop does."""
     _plan_against_loop("mpnet", {"model.gradient_checkpointing": True}, tokenizers, long_rows, tmp_path)

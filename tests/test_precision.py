@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import BertConfig, BertForSequenceClassification
 
-from finetune import faults
-from finetune.errors import UserError
-from finetune.precision import (
+from finetune.core import faults
+from finetune.core.errors import UserError
+from finetune.model.precision import (
     Bf16AdamW,
     PrecisionMonitor,
     apply_precision_policy,
@@ -593,8 +593,8 @@ def test_compiled_run_records_graphs_and_writes_clean_keys(tiny_config: Callable
         sd = load_file(path)
         assert not any("_orig_mod" in k for k in sd)
     # the compiled run's checkpoint loads strictly into an uncompiled model of the same shape
-    from finetune.config_io import load_config
-    from finetune.model import build_model, build_tokenizer
+    from finetune.config.files import load_config
+    from finetune.model.load import build_model, build_tokenizer
 
     c = load_config(cfg)
     model = build_model(c, ["negative", "positive"], build_tokenizer(c))
@@ -607,7 +607,7 @@ def test_bf16_adamw_chunked_update_equals_whole_tensor_update(update: str, monke
     every state buffer are bit for bit those of the whole-tensor update. Slices draw the random
     bits of stochastic rounding in another order, so the rounding is made deterministic here
     (round to nearest) to compare the arithmetic exactly."""
-    import finetune.precision as precision
+    import finetune.model.precision as precision
 
     monkeypatch.setattr(precision, "stochastic_round_", lambda dst, src: dst.copy_(src))
     torch.manual_seed(0)
@@ -661,7 +661,7 @@ def test_bf16_adamw_foreach_buckets_equal_a_per_tensor_reference(monkeypatch: py
     gives the same weights and state bit for bit over several steps: bf16 and fp32 (norm) parameters mixed,
     two groups with their own lr and weight decay, a tensor larger than a bucket (sliced), one without a
     gradient."""
-    import finetune.precision as precision
+    import finetune.model.precision as precision
 
     monkeypatch.setattr(precision, "stochastic_round_", lambda dst, src: dst.copy_(src))
     monkeypatch.setattr(Bf16AdamW, "CHUNK", 1000)

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from finetune import predict
 from finetune.cli import main as cli_main
-from finetune.final import load_final
+from finetune.deploy import predict
+from finetune.deploy.final import load_final
 
 # one word next to ~120 words: sorted by length inside a chunk, the batches mix far apart from the input order
 TEXTS = [

@@ -20,8 +20,8 @@ import torch
 import yaml
 from huggingface_hub import ModelCard, metadata_load
 
-from finetune.card import CONFUSION_PNG
 from finetune.cli import main as cli_main
+from finetune.deploy.card import CONFUSION_PNG
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -101,7 +101,7 @@ def _tiny_finals(root: Path) -> dict[str, Path]:
         LlamaForSequenceClassification,
     )
 
-    from finetune.model import resolve_model_path
+    from finetune.model.load import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6"))
     torch.manual_seed(0)

@@ -14,9 +14,9 @@ from conftest import write_tiny_config
 from test_tasks import GOEMOTIONS, STSB
 
 from finetune.assemble import train_targets
-from finetune.config_io import load_config
-from finetune.data import build_data
-from finetune.model import build_model, build_tokenizer, output_layer
+from finetune.config.files import load_config
+from finetune.data.build import build_data
+from finetune.model.load import build_model, build_tokenizer, output_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 from test_families import FAMILIES, NAMES, TEXTS, _sentences, family_config, stopped_and_resumed, train_tokenizer
 
-from finetune.config_io import load_config
-from finetune.errors import UserError
-from finetune.model import build_model, build_tokenizer, choose_pad_token, head_names, quiet_peft_deprecation
+from finetune.config.files import load_config
+from finetune.core.errors import UserError
+from finetune.model.load import build_model, build_tokenizer, choose_pad_token, head_names, quiet_peft_deprecation
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -195,7 +195,7 @@ def test_a_rank_other_than_0_still_writes_its_private_base(tmp_path: Path, monke
     # cache folder without weights
     from transformers import BertConfig, BertForSequenceClassification
 
-    from finetune.sources import save_on_this_process
+    from finetune.model.sources import save_on_this_process
 
     model = BertForSequenceClassification(
         BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)

@@ -1,4 +1,4 @@
-"""`finetune init`'s adaptive single-label recipe (finetune/recipe.py): the choice on small shapes, computed by
+"""`finetune init`'s adaptive single-label recipe (finetune/init/recipe.py): the choice on small shapes, computed by
 hand here, and what init writes and says for a file of many small classes and a pair file."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune import recipe as recipe_module
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
-from finetune.errors import UserError
-from finetune.initconfig import init_config
-from finetune.recipe import Shape, adaptive, choose_encoder, encoders_note, step_seconds
+from finetune.config.files import load_config
+from finetune.core.errors import UserError
+from finetune.init import recipe as recipe_module
+from finetune.init.recipe import Shape, adaptive, choose_encoder, encoders_note, step_seconds
+from finetune.init.write import init_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,8 +84,8 @@ def test_init_times_a_step_of_the_model_and_writes_a_budget(
 ) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
-    from finetune.initconfig import load_config_for_tokenizer
-    from finetune.model import build_tokenizer, resolve_model_path
+    from finetune.init.write import load_config_for_tokenizer
+    from finetune.model.load import build_tokenizer, resolve_model_path
 
     model = tmp_path / "model"  # a tiny BERT with the default vocab: a step takes milliseconds
     AutoTokenizer.from_pretrained(resolve_model_path("minilm-l6")).save_pretrained(model)
@@ -131,7 +131,7 @@ def test_bf16_units_read_from_the_cpu_flags(tmp_path: Path, monkeypatch: pytest.
 def test_long_rows_are_timed_on_fewer_rows_and_scaled_to_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
     # a fake clock: each micro-step takes 0.01 s a row, each optimizer step 0.5 s; the estimate must be the window's
     # micro-steps (2 x 16 rows of 512 tokens) and one optimizer step, from micro-batches of 1,024 // 512 = 2 rows
-    from finetune import recipe
+    from finetune.init import recipe
 
     now, rows_seen = [0.0], []
 
@@ -217,8 +217,8 @@ def test_init_without_a_model_times_each_encoder_and_fits_the_minutes(
 ) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
-    from finetune import initconfig
-    from finetune.model import resolve_model_path
+    from finetune.init import write as initconfig
+    from finetune.model.load import resolve_model_path
 
     aliases = []
     for name, layers in (("small", 1), ("larger", 3)):  # tiny BERTs with the default vocab, the stronger later
@@ -255,9 +255,9 @@ def test_a_tiny_file_still_gets_a_validation_row_or_a_clear_refusal() -> None:
 
 
 def test_init_halves_the_micro_batch_until_the_plan_fits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from finetune import initconfig
-    from finetune.model import build_tokenizer
-    from finetune.planner import predict_peak
+    from finetune.init import write as initconfig
+    from finetune.memory.planner import predict_peak
+    from finetune.model.load import build_tokenizer
 
     cfg = load_config("configs/tiny-debug.yaml")
     tok = build_tokenizer(cfg)

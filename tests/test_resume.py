@@ -19,9 +19,10 @@ import pytest
 from conftest import ROOT, write_tiny_config
 from safetensors.torch import load_file
 
-from finetune import checkpoint as ckpt
-from finetune import faults, runtime
+from finetune.core import faults
 from finetune.train import main
+from finetune.training import checkpoint as ckpt
+from finetune.training import runtime
 
 # 128 rows, global micro-batch 16, accumulation 2: 8 micro-batches = 4 optimizer steps per epoch,
 # 2 epochs = 8 steps; a periodic checkpoint every 3 steps; a loss logged at every step.

@@ -19,9 +19,9 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
-from finetune.config_io import load_config
-from finetune.model import build_model, build_tokenizer, choose_pad_token
-from finetune.sources import resolve_model_path
+from finetune.config.files import load_config
+from finetune.model.load import build_model, build_tokenizer, choose_pad_token
+from finetune.model.sources import resolve_model_path
 from finetune.train import main
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import pytest
 from conftest import write_tiny_config
 
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
+from finetune.config.files import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import finetune.train as ft
-from finetune.config_io import load_config
-from finetune.syncs import READS, HostSyncCounter
+from finetune.config.files import load_config
+from finetune.core.syncs import READS, HostSyncCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from sklearn.metrics import f1_score
 
 from finetune.cli import main as cli_main
-from finetune.config_io import load_config
-from finetune.metrics import compute_metrics, tune_thresholds
-from finetune.reading import load_raw_splits
+from finetune.config.files import load_config
+from finetune.data.reading import load_raw_splits
+from finetune.data.window import WindowedBatchSampler
+from finetune.evaluation.metrics import compute_metrics, tune_thresholds
 from finetune.train import main
-from finetune.window import WindowedBatchSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
 ROOT = Path(__file__).resolve().parent.parent
@@ -494,7 +494,7 @@ def test_regression_pairs_pipeline_and_predict(tmp_path: Path) -> None:
 
 
 def test_metric_registry_names_what_evaluation_computes() -> None:
-    from finetune.tasks import HEADLINE, METRICS, PROBLEM_TYPES, direction
+    from finetune.config.tasks import HEADLINE, METRICS, PROBLEM_TYPES, direction
 
     # the names, orders and directions config, metrics, checkpoint and card each spelled out before the registry
     assert HEADLINE == ("accuracy", "micro_f1", "macro_f1", "subset_accuracy", "pearson", "spearman", "mse")
@@ -518,8 +518,8 @@ def test_metric_registry_names_what_evaluation_computes() -> None:
 
 
 def test_best_metric_defaults_and_directions(tmp_path: Path) -> None:
-    from finetune.checkpoint import is_better
-    from finetune.errors import UserError
+    from finetune.core.errors import UserError
+    from finetune.training.checkpoint import is_better
 
     for shape, metric in ((GOEMOTIONS, "micro_f1"), (STSB, "pearson"), ({}, "accuracy")):
         assert load_config(write_tiny_config(tmp_path, shape)).checkpoint.best_metric == metric

@@ -13,7 +13,7 @@ import pytest
 from accelerate.tracking import GeneralTracker
 
 from finetune import train as train_mod
-from finetune.trackers import reach_trackers, tracker_uri
+from finetune.training.trackers import reach_trackers, tracker_uri
 
 
 def _closed_port() -> int:

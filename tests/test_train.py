@@ -17,9 +17,9 @@ import torch
 from conftest import ROOT, TINY
 
 import finetune.train as train_mod
-from finetune import runtime
-from finetune.config_io import load_config, parse_yaml12, validate_config
-from finetune.final import export_final
+from finetune.config.files import load_config, parse_yaml12, validate_config
+from finetune.deploy.final import export_final
+from finetune.training import runtime
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ def test_max_steps_ends_the_run_and_the_schedule(tiny_config: Callable[..., Path
 
 
 def test_adamw_does_not_decay_biases_and_norms(tiny_config: Callable[..., Path]) -> None:
-    from finetune.model import build_model, build_tokenizer
+    from finetune.model.load import build_model, build_tokenizer
 
     cfg = load_config(tiny_config())
     model = build_model(cfg, ["negative", "positive"], build_tokenizer(cfg))
@@ -158,7 +158,7 @@ def test_trackers_tensorboard_and_mlflow(
     import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from finetune.config_io import flat_config
+    from finetune.config.files import flat_config
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the file store needs no database: fastest here
@@ -213,7 +213,7 @@ def test_tracker_without_its_package_is_one_line(
     """wandb is not installed here: Accelerate dropped the tracker without a word, and the run went on."""
     from accelerate.utils import LoggerType
 
-    from finetune.config import LogConfig
+    from finetune.config.schema import LogConfig
 
     # log.trackers offers every tracker of Accelerate's log_with (but "all")
     offered = set(LogConfig.model_fields["trackers"].annotation.__args__[0].__args__)
@@ -277,7 +277,7 @@ def test_export_is_atomic(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> 
     # a failure half way through the export leaves the previous final/ as it was, never a mix
     from accelerate import Accelerator
 
-    from finetune.model import build_model, build_tokenizer
+    from finetune.model.load import build_model, build_tokenizer
 
     cfg = load_config(TINY, [f"run.output_dir={tmp_path / 'run'}"])
     tok = build_tokenizer(cfg)

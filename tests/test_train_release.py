@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from finetune import faults
 from finetune import train as train_module
-from finetune.config_io import load_config
-from finetune.errors import UserError
+from finetune.config.files import load_config
+from finetune.core import faults
+from finetune.core.errors import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""The accumulation window (finetune/window.py), proved through the code that trains.
+"""The accumulation window (finetune/data/window.py), proved through the code that trains.
 
 Exactness: the gradient the optimizer applies equals a plain-torch full-batch gradient of each
 window's mean loss, the short tail window included, and layouts with the same windows train the same
@@ -29,12 +29,11 @@ from accelerate.data_loader import BatchSamplerShard
 from conftest import TINY
 
 import finetune.train as train_mod
-from finetune import faults
-from finetune.checkpoint import TrainingProgress
-from finetune.collate import Collator
-from finetune.config_io import load_config
-from finetune.errors import UserError
-from finetune.window import (
+from finetune.config.files import load_config
+from finetune.core import faults
+from finetune.core.errors import UserError
+from finetune.data.collate import Collator
+from finetune.data.window import (
     OutOfMemoryGuard,
     WindowedBatchSampler,
     adapt_to_launch,
@@ -43,6 +42,7 @@ from finetune.window import (
     smaller_micro_batch,
     window_loss,
 )
+from finetune.training.checkpoint import TrainingProgress
 
 
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,4 @@
+"""After a run: final/ written, checked and loaded (`final`), prediction with PyTorch or ONNX (`predict`), the Hub
+model card (`card`), and the ONNX export (`export`). May import `core`, `config`, `model`, `data`, `training`,
+`memory` and `evaluation`.
+"""

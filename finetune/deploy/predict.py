@@ -1,0 +1,586 @@
+"""Prediction with an exported model: texts in, one prediction per text out, in input order.
+
+`finetune predict` streams: the input (.txt, .csv/.tsv, .jsonl, .parquet; a .json list is read whole) is
+read in chunks of `--chunk-size` texts, each chunk is sorted by length into batches (less padding), and
+its predictions are written as a numbered part file in a hidden directory beside the output as soon as
+the chunk is done. At the end the parts are joined into the output (.csv, .jsonl or .parquet), written
+under a temporary name and renamed, so an output that exists is complete. A run that stops (a kill, a
+crash, an error in row 40,000) leaves its parts: the same command again continues after the last part
+(the state file records the input's size and time, the model and the options, and a rerun whose
+input or options changed says which and stops).
+
+The model is final/ (PyTorch) or an ONNX export (`finetune export --onnx`, fp32 or int8) run by ONNX
+Runtime: both give fp32 logits per text (long texts windowed and aggregated as in training,
+`model_logits`) read by the problem type (`predict_texts`). Used by `finetune predict` and `evaluate`.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from finetune.core.errors import UserError
+from finetune.data.build import Windowing, encode_texts
+from finetune.deploy.final import VOCAB_FILES, check_final, load_final
+from finetune.evaluation.metrics import per_text
+from finetune.model.load import position_limit
+from finetune.training.runtime import progress_bar
+
+INPUTS = (".txt", ".csv", ".tsv", ".jsonl", ".json", ".parquet")
+OUTPUTS = (".jsonl", ".csv", ".parquet")
+BACKENDS = ("pytorch", "onnx")
+ONNX_FILE = "model.onnx"
+
+
+# ----------------------------------------------------------------------------------------------
+# Texts in.
+
+
+def _records(path: Path) -> Iterator[Any]:
+    """Rows of the input, one at a time: dicts (.csv/.tsv, .parquet, .jsonl/.json records) or strings
+    (.txt lines, .jsonl/.json strings).
+
+    Raises:
+        UserError: a .json that is not a list, a line of .jsonl that is not JSON.
+    """
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        # a BOM (Excel exports) is not part of the first column's name; a TSV's quotes are text
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            if suffix == ".tsv":
+                yield from csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            else:
+                yield from csv.DictReader(f)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+            yield from batch.to_pylist()
+    elif suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise UserError(f"cannot read --input {path}: line {number} is not JSON ({exc})") from None
+    elif suffix == ".json":
+        records = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(records, list):  # a .json object would give its keys as texts
+            raise UserError(f"--input {path}: a .json input must be a list of texts or of records")
+        yield from records
+    else:
+        with path.open(encoding="utf-8") as f:
+            for line in f:  # splitlines: the separators str.splitlines knows, as a whole-file read would
+                yield from (x for x in line.splitlines() if x.strip())
+
+
+def _chunks(path: Path, chunk_size: int) -> Iterator[list[Any]]:
+    """The input's rows in lists of `chunk_size` (the last may be shorter).
+
+    Raises:
+        UserError: the input cannot be decoded or parsed.
+    """
+    rows = _records(path)
+    try:
+        while chunk := list(itertools.islice(rows, chunk_size)):
+            yield chunk
+    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error) as exc:
+        raise UserError(f"cannot read --input {path}: {type(exc).__name__}: {exc}") from None
+    except OSError as exc:  # pyarrow's errors for a file that is not parquet derive from it
+        raise UserError(f"cannot read --input {path}: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass
+class Columns:
+    """Where a row's text (and second text of a pair) is; None for rows that are texts themselves."""
+
+    text: str | None
+    pair: str | None
+
+    @classmethod
+    def of(cls, first: Any, path: Path, text_column: str, pair_column: str | None) -> Columns:
+        """The columns for an input whose first row is `first`: `text_column`, and `pair_column` or else a
+        `text_pair` column when there is one.
+
+        Raises:
+            UserError: --pair-column on an input without columns, or a named column the first row lacks.
+        """
+        if not isinstance(first, dict):
+            if pair_column is not None:
+                raise UserError(f"--pair-column {pair_column!r}: --input {path} has no columns (one text per row)")
+            return cls(None, None)
+        columns = list(first)
+        for flag, col in (("--text-column", text_column), ("--pair-column", pair_column)):
+            if col is not None and col not in first:
+                raise UserError(f"--input {path} has no column {col!r} ({flag}); columns: {columns}")
+        return cls(text_column, pair_column or ("text_pair" if "text_pair" in columns else None))
+
+    def texts(self, rows: list[Any], path: Path, start: int) -> tuple[list[str], list[str] | None]:
+        """The texts (and pairs) of `rows`, which start at row `start` of the input.
+
+        Raises:
+            UserError: a row without a named column.
+        """
+        if self.text is None:
+            return [str(r) for r in rows], None
+        for i, r in enumerate(rows):
+            for col in (self.text, self.pair):
+                if col is not None and (not isinstance(r, dict) or col not in r):
+                    raise UserError(f"--input {path}: row {start + i + 1} has no column {col!r}")
+        texts = [str(r[self.text]) for r in rows]
+        return texts, [str(r[self.pair]) for r in rows] if self.pair else None
+
+
+def check_input(path: Path) -> None:
+    """Raises:
+    UserError: the input is missing, not a file, or of a format predict cannot read.
+    """
+    if not path.is_file():
+        raise UserError(f"--input {path} does not exist" if not path.exists() else f"--input {path} is not a file")
+    if path.suffix.lower() not in INPUTS:
+        raise UserError(f"--input {path}: cannot infer its format from the name; use one of {', '.join(INPUTS)}")
+
+
+def read_texts(path: Path, text_column: str, pair_column: str | None = None) -> tuple[list[str], list[str] | None]:
+    """All texts (and second texts of pairs) of an input at once (`finetune predict` streams instead).
+
+    Raises:
+        UserError: the file is missing, unreadable, empty, or lacks a named column in some row.
+    """
+    check_input(path)
+    rows = [r for chunk in _chunks(path, 1 << 16) for r in chunk]
+    if not rows:
+        raise UserError(f"--input {path} has no texts")
+    return Columns.of(rows[0], path, text_column, pair_column).texts(rows, path, 0)
+
+
+def count_rows(path: Path) -> int:
+    """How many texts the input holds, for the progress bar: parquet's metadata, else one pass over the rows."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    return sum(len(c) for c in _chunks(path, 1 << 16))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model: final/ with PyTorch, or an ONNX export with ONNX Runtime.
+
+
+class OnnxClassifier:
+    """An ONNX export run by ONNX Runtime behind the little of a transformers model that prediction uses:
+    `config` (the export's config.json, final/'s) and `model(**batch).logits` (a torch tensor)."""
+
+    def __init__(self, directory: Path, threads: int | None = None) -> None:
+        import onnxruntime
+        from transformers import AutoConfig
+
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads or torch.get_num_threads()  # the same threads as PyTorch's
+        # idle threads that spin steal the CPU from the tokenizer and from other jobs on a shared machine
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = onnxruntime.InferenceSession(
+            str(directory / ONNX_FILE), options, providers=["CPUExecutionProvider"]
+        )
+        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.config = AutoConfig.from_pretrained(directory)
+
+    def __call__(self, **batch: torch.Tensor) -> Any:
+        feed = {k: batch[k].numpy().astype(np.int64) for k in self.inputs}
+        return SimpleNamespace(logits=torch.from_numpy(self.session.run(["logits"], feed)[0]))
+
+
+def check_model(directory: Path, backend: str = "pytorch") -> None:
+    """Refuse, before anything loads, a directory that is not of the backend's kind or lacks its files.
+
+    Raises:
+        UserError: an unknown backend, an ONNX export given to PyTorch or final/ to ONNX Runtime, missing or
+            corrupt files (final/: `check_final`), no tokenizer, onnxruntime not installed.
+    """
+    if backend not in BACKENDS:
+        raise UserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    has_onnx = (directory / ONNX_FILE).is_file()
+    if backend == "pytorch":
+        if has_onnx and not (directory / "model.safetensors").is_file():
+            raise UserError(f"{directory} is an ONNX export: predict with --backend onnx, or give a run's final/")
+        check_final(directory)
+        return
+    if not has_onnx:
+        hint = " (a run's final/: use --backend pytorch, or export it with finetune export --onnx)"
+        raise UserError(f"{directory} has no {ONNX_FILE}{hint if directory.is_dir() else ''}")
+    if not (directory / "tokenizer_config.json").is_file() or not any((directory / v).is_file() for v in VOCAB_FILES):
+        raise UserError(f"{directory} has no tokenizer (tokenizer_config.json and its vocabulary): export it again")
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        raise UserError("--backend onnx needs onnxruntime: pip install onnxruntime") from None
+
+
+def load_model(directory: Path, backend: str = "pytorch") -> tuple[Any, Any]:
+    """The tokenizer and model of `directory`: final/ for PyTorch, an ONNX export for ONNX Runtime.
+
+    Raises:
+        UserError: `check_model`'s refusals, or transformers cannot load the directory.
+    """
+    check_model(directory, backend)
+    if backend == "pytorch":
+        return load_final(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory), OnnxClassifier(directory)
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits and predictions.
+
+
+def model_logits(
+    tokenizer: Any,
+    model: Any,
+    texts: list[str],
+    pairs: list[str] | None = None,
+    batch_size: int = 64,
+    max_length: int | None = None,
+    on_texts: Callable[[int], None] | None = None,
+) -> Any:
+    """The model's fp32 logits for each text (with its `pairs` entry), in input order (a numpy array).
+    Rows are sorted by length into batches (less padding). `on_texts(n)` is told after each batch how many
+    more texts have all their rows done (a progress bar); without it, a bar over the batches.
+
+    Texts are cut at `max_length` tokens, by default the tokenizer's `model_max_length`: a final/
+    carries the run's `data.max_length` there, so prediction truncates where training did.
+    """
+    if max_length is None:  # tokenizers without a limit report a huge sentinel
+        max_length = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 512
+    # never past the model's positions (a from-scratch model may have fewer than 512; RoBERTa's table has 2 more)
+    max_length = min(max_length, position_limit(model.config) or max_length)
+    c = model.config  # the run's windowing of long texts, as final/config.json records it
+    w = Windowing(
+        max_length, getattr(c, "truncation", None), getattr(c, "head_fraction", 0.25), getattr(c, "chunk_stride", None)
+    )
+    enc = encode_texts(tokenizer, texts, pairs, w, measure=False)
+    keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+    order = sorted(range(len(enc["input_ids"])), key=lambda i: enc["length"][i])  # similar lengths: less padding
+    out = torch.zeros(len(order), c.num_labels)
+    starts = range(0, len(order), batch_size)
+    left = np.bincount(enc["doc"], minlength=len(texts))  # rows of each text not yet done
+    bar = on_texts is None and len(starts) > 1
+    with torch.no_grad():
+        for s in progress_bar(starts, desc="predict", unit="batch", disable=not bar, leave=False):
+            idx = order[s : s + batch_size]
+            batch = tokenizer.pad([{k: enc[k][i] for k in keys} for i in idx], return_tensors="pt")
+            out[idx] = model(**batch).logits.float()
+            if on_texts is not None:
+                docs = np.asarray(enc["doc"])[idx]
+                np.subtract.at(left, docs, 1)
+                on_texts(int((left[np.unique(docs)] == 0).sum()))
+    docs = torch.tensor(enc["doc"])
+    logits, _, _ = per_text(out, docs, docs, getattr(c, "chunk_aggregate", "mean"))
+    return logits.numpy()
+
+
+def label_names(config: Any) -> list[str]:
+    """The model's label names in id order."""
+    return [config.id2label[i] for i in range(config.num_labels)]
+
+
+def problem_type(config: Any) -> str:
+    return getattr(config, "problem_type", None) or "single_label_classification"
+
+
+def predict_texts(
+    tokenizer: Any,
+    model: Any,
+    texts: list[str],
+    batch_size: int = 64,
+    max_length: int | None = None,
+    pairs: list[str] | None = None,
+    on_texts: Callable[[int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One prediction per text, in input order, as the model's problem type reads its logits:
+    single-label: `label`, `score` and softmax `probabilities`; multi-label: `labels` (the labels at or
+    above their thresholds from final/config.json's `label_thresholds`, else 0.5) and sigmoid
+    `probabilities`; regression: `score`."""
+    logits = model_logits(tokenizer, model, texts, pairs, batch_size, max_length, on_texts)
+    names, kind = label_names(model.config), problem_type(model.config)
+    out = []
+    for i, row in enumerate(logits):
+        p: dict[str, Any] = {"text": texts[i], **({"text_pair": pairs[i]} if pairs is not None else {})}
+        if kind == "regression":
+            p["score"] = float(row[0])
+        elif kind == "multi_label_classification":
+            probs = 1.0 / (1.0 + np.exp(-row.astype(np.float64)))
+            thresholds = getattr(model.config, "label_thresholds", None) or {}
+            p["labels"] = [n for n, q in zip(names, probs, strict=True) if q >= thresholds.get(n, 0.5)]
+            p["probabilities"] = {n: float(q) for n, q in zip(names, probs, strict=True)}
+        else:
+            probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+            best = int(probs.argmax())
+            p.update(
+                label=names[best],
+                score=float(probs[best]),
+                probabilities={n: float(q) for n, q in zip(names, probs, strict=True)},
+            )
+        out.append(p)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Predictions out.
+
+
+def _columns(preds: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    first = preds[0]
+    head = [k for k in ("text", "text_pair", "label", "labels", "score") if k in first]
+    return head, list(first.get("probabilities", {}))
+
+
+def csv_rows(preds: list[dict[str, Any]]) -> Iterator[list[Any]]:
+    """.csv cells: text (pair), label / labels (joined by |) / score, then prob_<label> per label."""
+    head, names = _columns(preds)
+    for p in preds:
+        cells = ["|".join(p[k]) if k == "labels" else (f"{p[k]:.6f}" if k == "score" else p[k]) for k in head]
+        yield [*cells, *[f"{p['probabilities'][n]:.6f}" for n in names]]
+
+
+def csv_header(config: Any, pairs: bool) -> list[str]:
+    """The .csv output's header for a model's `config` (its problem type and labels), with or without pairs."""
+    kind = problem_type(config)
+    outputs = {"regression": ["score"], "multi_label_classification": ["labels"]}.get(kind, ["label", "score"])
+    probs = [] if kind == "regression" else [f"prob_{n}" for n in label_names(config)]
+    return ["text", *(["text_pair"] if pairs else []), *outputs, *probs]
+
+
+def write_part(path: Path, preds: list[dict[str, Any]]) -> None:
+    """One chunk's predictions in the output's format (.csv without its header), written under a temporary
+    name and renamed: a part that exists is complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        tmp.write_text("".join(json.dumps(p) + "\n" for p in preds), encoding="utf-8")
+    elif suffix == ".csv":
+        with tmp.open("w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows(csv_rows(preds))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        head, names = _columns(preds)
+        types = {"labels": pa.list_(pa.string()), "score": pa.float64()}  # the rest: strings
+        schema = pa.schema(
+            [(k, types.get(k, pa.string())) for k in head] + [(f"prob_{n}", pa.float64()) for n in names]
+        )
+        table = {k: [p[k] for p in preds] for k in head} | {
+            f"prob_{n}": [p["probabilities"][n] for p in preds] for n in names
+        }
+        pq.write_table(pa.table(table, schema=schema), tmp)
+    tmp.replace(path)
+
+
+def join_parts(parts: Path, out: Path, header: list[str] | None) -> None:
+    """The part files of `parts` in order, joined into `out` (a temporary name, then renamed)."""
+    files = sorted(parts.glob(f"part-*{out.suffix.lower()}"))
+    tmp = out.with_name(f".{out.name}.tmp")
+    if out.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        writer = None
+        for f in files:
+            table = pq.read_table(f)
+            writer = writer or pq.ParquetWriter(tmp, table.schema)
+            writer.write_table(table)
+        if writer is not None:
+            writer.close()
+    else:
+        with tmp.open("wb") as dst:
+            if out.suffix.lower() == ".csv" and header is not None:
+                dst.write(_csv_line(header).encode("utf-8"))
+            for f in files:
+                with f.open("rb") as src:
+                    shutil.copyfileobj(src, dst)
+    tmp.replace(out)
+
+
+def _csv_line(cells: list[str]) -> str:
+    import io
+
+    buf = io.StringIO()
+    csv.writer(buf).writerow(cells)
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming, resumable prediction (`finetune predict`).
+
+
+@dataclass
+class Job:
+    """What a `finetune predict` run is: a rerun continues a stopped one only when all of it is the same."""
+
+    input: Path
+    output: Path
+    model: Path
+    backend: str
+    text_column: str
+    pair_column: str | None
+    chunk_size: int
+
+    def state(self) -> dict[str, Any]:
+        stat = self.input.stat()
+        return {
+            "input": str(self.input.resolve()),
+            "input_size": stat.st_size,
+            "input_mtime_ns": stat.st_mtime_ns,
+            "model": str(self.model.resolve()),
+            "backend": self.backend,
+            "text_column": self.text_column,
+            "pair_column": self.pair_column,
+            "chunk_size": self.chunk_size,
+        }
+
+    @property
+    def parts(self) -> Path:
+        return self.output.with_name(f".{self.output.name}.parts")
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Raises:
+    UserError: an output format predict cannot write, or an output that exists without --overwrite.
+    """
+    if out.suffix.lower() not in OUTPUTS:
+        raise UserError(f"--output {out}: cannot infer its format from the name; use one of {', '.join(OUTPUTS)}")
+    if out.exists() and not overwrite:
+        raise UserError(f"--output {out} exists: pass --overwrite to replace it")
+    if out.is_dir():
+        raise UserError(f"--output {out} is a directory")
+
+
+def parts_done(job: Job, overwrite: bool) -> int:
+    """How many chunks an earlier, stopped run of `job` finished (0 for a fresh start); writes the state file.
+
+    Raises:
+        UserError: an earlier run's parts are there but it was another job (named), without --overwrite.
+    """
+    state_file = job.parts / "state.json"
+    if overwrite:
+        shutil.rmtree(job.parts, ignore_errors=True)
+    if state_file.is_file():
+        try:
+            before = json.loads(state_file.read_text())
+        except json.JSONDecodeError:
+            before = {}
+        changed = [k for k, v in job.state().items() if before.get(k) != v]
+        if changed:
+            raise UserError(
+                f"cannot continue the stopped run into {job.output}: its {', '.join(changed)} changed since "
+                f"({job.parts} holds its parts); pass --overwrite to start again"
+            )
+        done = 0
+        suffix = job.output.suffix.lower()
+        while (job.parts / f"part-{done:06d}{suffix}").is_file():
+            done += 1
+        return done
+    shutil.rmtree(job.parts, ignore_errors=True)
+    job.parts.mkdir(parents=True)
+    state_file.write_text(json.dumps(job.state(), indent=2))
+    return 0
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_start(directory: Path, backend: str, threads: int) -> None:
+    """A `--workers` process: its share of the threads, and the model loaded once."""
+    torch.set_num_threads(threads)
+    _WORKER["model"] = load_model(directory, backend)
+
+
+def _worker_predict(texts: list[str], pairs: list[str] | None, batch_size: int) -> list[dict[str, Any]]:
+    tokenizer, model = _WORKER["model"]
+    return predict_texts(tokenizer, model, texts, batch_size, pairs=pairs, on_texts=lambda n: None)
+
+
+def predicted_chunks(
+    job: Job, todo: Iterator[tuple[int, list[str], list[str] | None]], batch_size: int, workers: int, bar: Any
+) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """Each chunk's predictions, in input order: in this process, or with `workers` processes (each loads the
+    model and takes its share of the threads; chunks go out in turn and come back in order, at most two
+    per worker in flight)."""
+    if workers == 1:
+        tokenizer, model = load_model(job.model, job.backend)
+        for index, texts, pairs in todo:
+            yield index, predict_texts(tokenizer, model, texts, batch_size, pairs=pairs, on_texts=bar.update)
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    threads = max(1, torch.get_num_threads() // workers)
+    spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's thread pools
+    with ProcessPoolExecutor(workers, spawn, _worker_start, (job.model, job.backend, threads)) as pool:
+        pending: deque[tuple[int, Any]] = deque()
+        for index, texts, pairs in todo:
+            pending.append((index, pool.submit(_worker_predict, texts, pairs, batch_size)))
+            while len(pending) >= 2 * workers or (pending and pending[0][1].done()):
+                done_index, future = pending.popleft()
+                preds = future.result()
+                bar.update(len(preds))
+                yield done_index, preds
+        while pending:
+            done_index, future = pending.popleft()
+            preds = future.result()
+            bar.update(len(preds))
+            yield done_index, preds
+
+
+def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False, workers: int = 1) -> int:
+    """`finetune predict`: stream `job.input` through the model into `job.output`; returns the texts written.
+
+    Raises:
+        UserError: bad input, output or model (before anything is written), or a bad row in the input.
+    """
+    check_input(job.input)
+    check_output(job.output, overwrite)
+    chunks = _chunks(job.input, job.chunk_size)
+    first = next(chunks, None)
+    if first is None:
+        raise UserError(f"--input {job.input} has no texts")
+    columns = Columns.of(first[0], job.input, job.text_column, job.pair_column)
+    columns.texts(first, job.input, 0)  # a missing column in the first chunk, before the model loads
+    check_model(job.model, job.backend)
+    from transformers import AutoConfig
+
+    header = csv_header(AutoConfig.from_pretrained(job.model), columns.pair is not None)
+    total = count_rows(job.input)
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    done = parts_done(job, overwrite)
+    if done:
+        print(f"continuing {job.output}: {done} chunk(s) of {job.chunk_size} texts already done", file=sys.stderr)
+    todo = (
+        (i, *columns.texts(rows, job.input, i * job.chunk_size))
+        for i, rows in enumerate(itertools.chain([first], chunks))
+        if i >= done
+    )
+    started, n, new = time.perf_counter(), min(done * job.chunk_size, total), 0
+    with progress_bar(total=total, initial=n, desc="predict", unit="text", dynamic_ncols=True) as bar:
+        for index, preds in predicted_chunks(job, todo, batch_size, workers, bar):
+            write_part(job.parts / f"part-{index:06d}{job.output.suffix.lower()}", preds)
+            n, new = n + len(preds), new + len(preds)
+    join_parts(job.parts, job.output, header)
+    shutil.rmtree(job.parts)
+    seconds = time.perf_counter() - started
+    print(f"wrote {n} predictions to {job.output} ({new / max(seconds, 1e-9):.0f} texts/s)", file=sys.stderr)
+    return n
