@@ -8,7 +8,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 from finetune.core.errors import UserError
 
@@ -123,12 +122,6 @@ def _plan_grid(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_classifier(model_dir: str) -> tuple[Any, Any]:
-    from finetune.deploy.final import load_final
-
-    return load_final(Path(model_dir))
-
-
 def _cmd_predict(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="finetune predict",
@@ -139,7 +132,10 @@ def _cmd_predict(argv: list[str]) -> int:
         "--model", required=True, help="a run's final/ (--backend pytorch) or an ONNX export (--backend onnx)"
     )
     parser.add_argument(
-        "--input", required=True, help=".txt (one text per line), .csv/.tsv with a header, .jsonl, .json or .parquet"
+        "--input",
+        required=True,
+        help=".txt (one text per line), .csv/.tsv with a header, .jsonl, .json or .parquet; a file of a format the "
+        "run trained on is read as the run read its data (data.delimiter, quoting, header, encoding)",
     )
     parser.add_argument("--output", required=True, help=".jsonl, .csv or .parquet")
     parser.add_argument("--text-column", default="text")
@@ -184,38 +180,9 @@ def _cmd_evaluate(argv: list[str]) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    import numpy as np
+    from finetune.deploy.predict import evaluate_final
 
-    from finetune.config.files import load_config
-    from finetune.data.reading import load_raw_splits
-    from finetune.deploy.predict import model_logits
-    from finetune.evaluation.metrics import bootstrap_ci, compute_metrics
-
-    cfg = load_config(args.config, args.overrides)
-    tokenizer, model = _load_classifier(args.model)
-    raw = load_raw_splits(cfg)
-    names = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    if names != raw.label_names:
-        raise UserError(f"the model's labels {names} differ from the data's {raw.label_names}")
-    kind = getattr(model.config, "problem_type", None) or "single_label_classification"
-    if kind != cfg.model.problem_type:
-        raise UserError(f"the model is a {kind} model, the config says model.problem_type={cfg.model.problem_type}")
-    thresholds = getattr(model.config, "label_thresholds", None)
-    result: dict[str, Any] = {}
-    for split, ds in (("validation", raw.validation), ("test", raw.test)):
-        if ds is None:
-            continue
-        pairs = ds["text_pair"][:] if "text_pair" in ds.column_names else None  # data.text_pair_column
-        logits = model_logits(tokenizer, model, ds["text"][:], pairs, max_length=cfg.data.max_length)
-        y_true = np.asarray(raw.targets(ds))
-        per_label = [thresholds[n] for n in names] if thresholds else [0.5] * len(names)
-        result[split] = compute_metrics(kind, y_true, logits, names, per_label)
-        result[split] |= bootstrap_ci(
-            kind, y_true, logits, len(names), per_label, cfg.train.bootstrap_resamples, cfg.run.seed
-        )
-    if not result:
-        raise UserError(f"{args.config} has no validation or test data to evaluate on")
-    print(json.dumps(result, indent=2))
+    print(json.dumps(evaluate_final(Path(args.model), args.config, args.overrides), indent=2))
     return 0
 
 
@@ -235,42 +202,17 @@ def _cmd_report(argv: list[str]) -> int:
     )
     parser.add_argument("--split", choices=["validation", "test"], default=None, help="with --errors: one split only")
     args = parser.parse_args(argv)
-    from finetune.evaluation.metrics import confident_mistakes, format_mistakes, plot_curves
-    from finetune.memory.monitor import latest_report, plot_memory, report_table
+    from finetune.evaluation.metrics import mistakes_report, plot_run
+    from finetune.memory.monitor import report_table
 
     run = Path(args.run_dir)
     if args.errors is not None:
-        rows = _read_predictions(run, args.errors, args.split)
-        mistakes = confident_mistakes(rows, args.errors)
-        print(format_mistakes(mistakes) if mistakes else f"no mistakes among {len(rows)} predictions")
+        print(mistakes_report(run, args.errors, args.split))
         return 0
     print(report_table(run))
     if args.plots:
-        metrics = run / "metrics.jsonl"
-        if not metrics.is_file():
-            raise UserError(f"{run} has no metrics.jsonl to plot")
-        plot_curves(metrics, run / "curves.png")
-        plot_memory(metrics, run / "memory.png", report=latest_report(run))
-        print(f"wrote {run / 'curves.png'} and {run / 'memory.png'}", file=sys.stderr)
+        print(f"wrote {' and '.join(str(f) for f in plot_run(run))}", file=sys.stderr)
     return 0
-
-
-def _read_predictions(run: Path, n: int, split: str | None) -> list[dict[str, Any]]:
-    """The rows of RUN/predictions.jsonl (of `split` only, when given).
-
-    Raises:
-        UserError: n < 1, no predictions.jsonl, or none of `split`.
-    """
-    if n < 1:
-        raise UserError(f"--errors needs a positive count, got {n}")
-    path = run / "predictions.jsonl"
-    if not path.is_file():
-        raise UserError(f"{path} not found: a finished run with validation or test data writes it")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if split is None or r["split"] == split]
-    if not rows:
-        raise UserError(f"{path} has no {split} predictions")
-    return rows
 
 
 def _positive_minutes(text: str) -> float:
@@ -365,24 +307,10 @@ def _cmd_export(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.onnx:
         raise UserError("choose the export format: finetune export --onnx FINAL_DIR OUT_DIR")
-    from finetune.deploy.export import export_onnx
+    from finetune.deploy.export import describe_check, export_onnx
 
     check = export_onnx(Path(args.final_dir), Path(args.out_dir), args.force, atol=args.atol, quantize=args.quantize)
-    print(
-        f"wrote {args.out_dir}/model.onnx (inputs {', '.join(check['inputs'])}; batch and sequence dynamic); "
-        f"ONNX Runtime vs PyTorch: max |logit difference| {check['max_abs_diff']:.2e} over "
-        f"{len(check['checks'])} batches (tolerance {check['tolerance']:g})",
-        file=sys.stderr,
-    )
-    int8 = check.get("int8")
-    if int8 and isinstance(int8["validation"], dict):
-        v = int8["validation"]
-        line = f"int8 on validation ({v['texts']} texts): {v['metric']} {v['int8']:.4f} against fp32 {v['fp32']:.4f}"
-        if int8["warning"]:
-            line = f"warning: {line}, a loss of {100 * int8['int8_loss']:.2f} points (more than 0.5)"
-        print(line, file=sys.stderr)
-    elif int8:
-        print(f"int8: {int8['validation']}", file=sys.stderr)
+    print(describe_check(check, args.out_dir), file=sys.stderr)
     return 0
 
 

@@ -87,25 +87,23 @@ from finetune.training.optim import (
     fold_clipping_into_step,
     planned_steps,
 )
+from finetune.training.ranks import end_if_peer_lost, end_job, on_peer_lost, several_processes
 from finetune.training.runtime import (
     Preempted,
     PreemptionGuard,
     apply_num_threads,
     build_accelerator,
     configure_kernels,
-    end_if_peer_lost,
-    end_job,
-    on_peer_lost,
     optimizer_step_out_of_memory,
     progress_log,
     resume_hint,
     setup_logging,
-    several_processes,
     tracker_init_kwargs,
 )
 from finetune.training.trackers import start_trackers
 
 logger = logging.getLogger("finetune")
+METRICS_FILE = "metrics.jsonl"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,9 +132,10 @@ class LogSums:
         self.started = time.perf_counter()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """The objects setup builds and the helpers of the loop share (no behaviour of its own)."""
+    """What the loop's helpers share (no behaviour of its own): the objects setup builds, the run's progress
+    (`TrainingProgress`, which a checkpoint writes as progress.json) and the log interval's sums."""
 
     cfg: Config
     accelerator: Accelerator
@@ -155,19 +154,21 @@ class Run:
     num_epochs: int
     attn_cost: float
     norm_names: list[str]
-    precision: PrecisionMonitor = None  # type: ignore[assignment]
-    memory: mem.MemoryMonitor = None  # type: ignore[assignment]
-    bar: Any = None
+    precision: PrecisionMonitor
+    fold_clip: bool  # gradient clipping folded into the optimizer step
+    progress: TrainingProgress
+    sums: LogSums
+    memory: mem.MemoryMonitor
+    bar: Any
+    budget: TimeBudget  # train.max_minutes, its clock started with the loop
+    report: Callable[[int, dict[str, Any]], None] | None  # train()'s `report`
     oom: OutOfMemoryGuard = field(default_factory=OutOfMemoryGuard)
-    fold_clip: bool = False
     outputs: dict[str, Outputs] = field(default_factory=dict)  # each split's latest evaluation, per text
-    report: Callable[[int, dict[str, Any]], None] | None = None  # train()'s `report`
-    budget: TimeBudget = None  # type: ignore[assignment]  # train.max_minutes, its clock started with the loop
     lean_step: int | None = None  # the epoch's heaviest window's step, run under memory.lean_heap
 
     @property
     def metrics_file(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return self.run_dir / METRICS_FILE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,61 +232,64 @@ def train(
     )
     eval_loader = loaders.pop(0) if eval_loader is not None else None
     test_loader = loaders.pop(0) if test_loader is not None else None
-    run = Run(
-        cfg,
-        accelerator,
-        model,
-        optimizer,
-        scheduler,
-        tokenizer,
-        data,
-        train_loader,
-        sampler,
-        eval_loader,
-        test_loader,
-        run_dir,
-        guard,
-        total_steps,
-        num_epochs,
-        attn_cost,
-        norm_names,
-    )
-    run.precision = precision_monitor(cfg, accelerator, run_dir)
-    run.fold_clip = cfg.train.max_grad_norm is not None and clipping_folds_into_step(optimizer, accelerator)
-    run.report = report
-
-    progress = fresh_progress(cfg, data, micro, G, P)
-    sums = LogSums.zeros(accelerator.device)
+    progress, sums = fresh_progress(cfg, data, micro, G, P), LogSums.zeros(accelerator.device)
     if resume_from is not None:
-        progress = resume(run, resume_from, progress, sums)
+        progress = resume(accelerator, resume_from, progress, sums, run_dir)
+        if (progress.micro_batch_size, progress.gradient_accumulation_steps) != (micro, G):  # an out-of-memory retry
+            train_loader, sampler = prepared_train_loader(accelerator, cfg, data, tokenizer, progress, attn_cost)
     was_finished = progress.finished  # a finished run resumed: its final evaluation and checkpoint exist
     summary = memory_summary(cfg, progress) | {"planned_bytes": planned}  # the plan, when micro-batch was auto
-    run.memory = mem.MemoryMonitor(
+    memory = mem.MemoryMonitor(
         accelerator.device, model, optimizer, summary, cfg.memory.record_history, cfg.memory.breakdown
     )
-    run.memory.heaviest_step = heaviest_step(sampler, progress, total_steps)
-    run.bar = step_bar(total_steps, progress.step, accelerator.is_main_process)
+    memory.heaviest_step = heaviest_step(sampler, progress, total_steps)
+    run = Run(
+        cfg=cfg,
+        accelerator=accelerator,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        tokenizer=tokenizer,
+        data=data,
+        train_loader=train_loader,
+        sampler=sampler,
+        eval_loader=eval_loader,
+        test_loader=test_loader,
+        run_dir=run_dir,
+        guard=guard,
+        total_steps=total_steps,
+        num_epochs=num_epochs,
+        attn_cost=attn_cost,
+        norm_names=norm_names,
+        precision=precision_monitor(cfg, accelerator, run_dir),
+        progress=progress,
+        sums=sums,
+        fold_clip=cfg.train.max_grad_norm is not None and clipping_folds_into_step(optimizer, accelerator),
+        memory=memory,
+        bar=step_bar(total_steps, progress.step, accelerator.is_main_process),
+        budget=TimeBudget(cfg.train.max_minutes, progress.seconds_trained, progress.step),
+        report=report,
+    )
     if progress.step < total_steps and not progress.finished:
-        run.memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
+        memory.begin_sample(progress.step)  # a resumed run samples its first window (optimizer state exists)
 
     model.train()
-    run.budget = TimeBudget(cfg.train.max_minutes, progress.seconds_trained, progress.step)
     try:
         while progress.step < total_steps and progress.epoch < num_epochs and not progress.finished:
-            loader = epoch_loader(run, progress)
+            loader = epoch_loader(run)
             batches = iter(loader)
             while progress.step < total_steps and not progress.finished:
                 with mem.lean_heap(progress.step + 1 == run.lean_step):
-                    outcome = run_window(run, progress, batches, sums)
+                    outcome = run_window(run, batches)
                 if outcome == "epoch_end":
                     progress.epoch, progress.batches_in_epoch = progress.epoch + 1, 0
                     release_cached_memory(cfg.precision.empty_cache, accelerator.device)
                     break
                 if outcome == "out_of_memory":  # the same epoch, from the failed window, at half the micro-batch
-                    recover_from_oom(run, progress, loader)
+                    recover_from_oom(run, loader)
                     break
-                after_step(run, progress, sums)
-        return finish(run, progress, was_finished)
+                after_step(run)
+        return finish(run, was_finished)
     finally:  # a run ended by an error or a signal leaves no MemTracker behind, and its error on a line of its own
         run.memory.close()
         run.bar.close()
@@ -295,23 +299,25 @@ def train(
 # Resume and the loader after a retry.
 
 
-def rebuild_train_loader(run: Run, progress: TrainingProgress) -> None:
-    """A prepared training loader at the progress's micro-batch; its windows hold the same samples."""
+def prepared_train_loader(
+    acc: Accelerator, cfg: Config, data: Data, tokenizer: Any, progress: TrainingProgress, attn_cost: float
+) -> tuple[Any, Any]:
+    """A prepared training loader and its sampler at the progress's micro-batch (its windows hold the same samples);
+    Accelerate's accumulation follows the progress's."""
     micro, G = progress.micro_batch_size, progress.gradient_accumulation_steps
-    loader, run.sampler = build_train_loader(
-        run.data.train, run.tokenizer, run.cfg, micro, G, run.accelerator.num_processes, run.attn_cost
-    )
-    run.accelerator.gradient_accumulation_steps = G
-    run.train_loader = run.accelerator.prepare(loader)
+    loader, sampler = build_train_loader(data.train, tokenizer, cfg, micro, G, acc.num_processes, attn_cost)
+    acc.gradient_accumulation_steps = G
+    return acc.prepare(loader), sampler
 
 
-def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> TrainingProgress:
-    """Restore model, optimizer, scheduler and RNG states from `path`; return its progress.
+def resume(acc: Accelerator, path: Path, fresh: TrainingProgress, sums: LogSums, run_dir: Path) -> TrainingProgress:
+    """Restore model, optimizer, scheduler and RNG states from `path` and the saved partial log interval into
+    `sums`; return its progress (its micro-batch may be one an out-of-memory retry lowered: the caller rebuilds the
+    loader then).
 
     Raises:
         UserError: the effective batch of this launch differs from the checkpoint's.
     """
-    acc = run.accelerator
     progress = ckpt.load_checkpoint(acc, path)
     adapt_to_launch(progress, fresh.micro_batch_size, fresh.gradient_accumulation_steps, acc.num_processes, path)
     progress.data_sha256 = fresh.data_sha256
@@ -319,7 +325,6 @@ def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> Trai
         fresh.micro_batch_size,
         fresh.gradient_accumulation_steps,
     ):  # an out-of-memory retry lowered the micro-batch: keep it (batches_in_epoch counts in it)
-        rebuild_train_loader(run, progress)
         logger.info(
             f"resuming with micro-batch {progress.micro_batch_size} x accumulation "
             f"{progress.gradient_accumulation_steps} (chosen after an out-of-memory error)"
@@ -327,7 +332,7 @@ def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> Trai
     if acc.is_main_process:  # the saved partial log interval (all processes' sums) continues here once
         saved = torch.tensor(progress.log_sums, device=acc.device)  # 4 values before the row count existed
         sums.values[: len(saved)] = saved
-        ckpt.trim_metrics(run.metrics_file, progress.step)  # the steps after the checkpoint are logged again
+        ckpt.trim_metrics(run_dir / METRICS_FILE, progress.step)  # the steps after the checkpoint are logged again
     logger.info(
         f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, {progress.batches_in_epoch} batches in)"
     )
@@ -338,9 +343,10 @@ def resume(run: Run, path: Path, fresh: TrainingProgress, sums: LogSums) -> Trai
 # The loop's parts.
 
 
-def epoch_loader(run: Run, progress: TrainingProgress) -> Any:
+def epoch_loader(run: Run) -> Any:
     """The epoch's loader, past the micro-batches already consumed (a resumed or retried epoch); on a CPU the
     step of its heaviest window, whose heap `memory.lean_heap` keeps lean (memory.lean_heaviest_window)."""
+    progress = run.progress
     b = progress.batches_in_epoch
     loader = run.accelerator.skip_first_batches(run.train_loader, b) if b else run.train_loader
     # Accelerate's loader sets the sampler's epoch to its own count of iter() calls; a resumed
@@ -359,7 +365,7 @@ def heaviest_step(sampler: Any, progress: TrainingProgress, total_steps: int) ->
     return first + sampler.heaviest_window(limit=max(1, total_steps - first)) + 1
 
 
-def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums) -> str:
+def run_window(run: Run, batches: Any) -> str:
     """Forward and backward over one accumulation window's micro-batches, then the optimizer step.
 
     Returns "step" (a step was taken), "epoch_end" (no batch left) or "out_of_memory" (the window
@@ -368,7 +374,7 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
     Raises:
         UserError: out of memory with several processes (no rank may redo a window alone).
     """
-    acc, cfg = run.accelerator, run.cfg
+    acc, cfg, progress = run.accelerator, run.cfg, run.progress
     G, P = progress.gradient_accumulation_steps, acc.num_processes
     # weighted loss, weight, real tokens, total tokens, rows: added to `sums` when the window completes
     window = torch.zeros(5, device=acc.device)
@@ -407,19 +413,19 @@ def run_window(run: Run, progress: TrainingProgress, batches: Any, sums: LogSums
             ]
         )
         if acc.sync_gradients:
-            optimizer_step(run, progress, window, sums)
+            optimizer_step(run, window)
             return "step"
     return "epoch_end"
 
 
-def optimizer_step(run: Run, progress: TrainingProgress, window: torch.Tensor, sums: LogSums) -> None:
+def optimizer_step(run: Run, window: torch.Tensor) -> None:
     """Clip, check for non-finite values, step, schedule and zero; count the step.
 
     Raises:
         UserError: out of memory inside the step (weights possibly half updated: no in-place retry).
         NonFiniteError: NaN/inf with `train.nonfinite=stop`.
     """
-    acc, max_norm, step = run.accelerator, run.cfg.train.max_grad_norm, progress.step + 1
+    acc, max_norm, step = run.accelerator, run.cfg.train.max_grad_norm, run.progress.step + 1
     grad_norm = None
     if run.fold_clip:
         grad_norm = fold_clipping_into_step(
@@ -440,43 +446,47 @@ def optimizer_step(run: Run, progress: TrainingProgress, window: torch.Tensor, s
         run.scheduler.step()
         run.precision.after_step(acc.optimizer_step_was_skipped)  # fp16: the scaler skipped it
         if not acc.optimizer_step_was_skipped:
-            sums.values[:2] += window[:2]  # the loss average counts applied steps only
-    sums.values[2:] += window[2:]
+            run.sums.values[:2] += window[:2]  # the loss average counts applied steps only
+    run.sums.values[2:] += window[2:]
     run.optimizer.zero_grad(set_to_none=True)
-    progress.step = step
+    run.progress.step = step
 
 
-def recover_from_oom(run: Run, progress: TrainingProgress, loader: Any) -> None:
+def recover_from_oom(run: Run, loader: Any) -> None:
     """Drop the failed window's gradients; halve the micro-batch, double the accumulation and
     rebuild the loader so the same window is redone (the weights were not touched).
 
     Raises:
         UserError: the micro-batch is 1 already.
     """
+    progress = run.progress
     run.model.zero_grad(set_to_none=True)
     run.oom.redo_window(progress, run.accelerator, loader)
     run.memory.config_summary.update(
         micro_batch_size=progress.micro_batch_size,  # memory.json: what runs
         gradient_accumulation_steps=progress.gradient_accumulation_steps,
     )
-    rebuild_train_loader(run, progress)
+    run.train_loader, run.sampler = prepared_train_loader(
+        run.accelerator, run.cfg, run.data, run.tokenizer, progress, run.attn_cost
+    )
 
 
-def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
+def after_step(run: Run) -> None:
     """What follows an optimizer step: log row, evaluation, early stopping, time budget, checkpoint, preemption.
 
     Raises:
         Preempted: a signal asked to stop (after this step's checkpoint is on disk).
     """
-    cfg, step = run.cfg, progress.step
+    cfg, progress = run.cfg, run.progress
+    step = progress.step
     run.memory.end_sample()
     faults.signal_point("step", step, run.run_dir, run.guard)
     if step % cfg.train.log_every_steps == 0 or step == run.total_steps:
-        log_row(run, progress, sums)
+        log_row(run)
     run.bar.update(1)  # after the row: a progress line shows this step's loss
     ev = cfg.train.eval_every_steps
     if run.eval_loader is not None and ev and step % ev == 0 and step < run.total_steps:
-        evaluate_now(run, progress, sums)
+        evaluate_now(run)
     patience = cfg.train.early_stopping_patience
     if patience and progress.best.get("bad_evals", 0) >= patience:  # decided before a save records the step
         logger.info(
@@ -492,10 +502,10 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         progress.finished = True
     saved = None
     if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < run.total_steps:
-        saved = save(run, progress, sums)
+        saved = save(run)
     if stop_signal is not None:  # preemption: checkpoint this step, then exit 143 (SIGTERM) / 130 (SIGINT)
         run.bar.close()
-        path = saved or save(run, progress, sums)  # not a second save of the same step inside the grace period
+        path = saved or save(run)  # not a second save of the same step inside the grace period
         run.accelerator.end_training()  # flush the trackers (TensorBoard) before exiting
         raise Preempted(stop_signal, step, path)
     # MemTracker windows (step 2 and the heaviest) feed the checkpoints' and the final memory report; not after
@@ -504,8 +514,9 @@ def after_step(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         run.memory.begin_sample(step)
 
 
-def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
+def log_row(run: Run) -> None:
     """One training row of metrics.jsonl (and the trackers); the interval's sums start again."""
+    progress, sums = run.progress, run.sums
     run.precision.raise_if_nonfinite()  # the interval's host sync reads the non-finite record too
     loss, weight, real, total, samples = sums.reduce(run.accelerator)
     row = {
@@ -531,12 +542,12 @@ def log_row(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
     sums.reset()
 
 
-def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
+def evaluate_now(run: Run) -> None:
     """A periodic evaluation: metrics row, best-metric bookkeeping; its time is not throughput."""
-    started = time.perf_counter()
+    started, progress = time.perf_counter(), run.progress
     run.precision.raise_if_nonfinite()
     release_cached_memory(run.cfg.precision.empty_cache, run.accelerator.device)
-    progress.eval = evaluate_split(run, "validation", progress.step)
+    progress.eval = evaluate_split(run, "validation")
     progress.eval["step"] = progress.step
     ckpt.update_best(progress.best, run.cfg.checkpoint.best_metric, progress.eval, progress.step)
     record_row(run.accelerator, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
@@ -544,16 +555,16 @@ def evaluate_now(run: Run, progress: TrainingProgress, sums: LogSums) -> None:
         line = f"step {progress.step}: eval {headline(progress.eval)}"
         run.bar.write(line)
         progress_log.info(f"{line}, loss {progress.eval['loss']:.4f}")
-    sums.started += time.perf_counter() - started
+    run.sums.started += time.perf_counter() - started
     if run.report is not None:
         run.report(progress.step, progress.eval)
 
 
-def evaluate_split(run: Run, split: str, fault_step: int = 0, thresholds: list[float] | None = None) -> dict[str, Any]:
+def evaluate_split(run: Run, split: str, thresholds: list[float] | None = None) -> dict[str, Any]:
     """The metrics of the run's model on `split` ("validation" or "test"); its outputs are kept in
     `run.outputs` for the intervals and predictions.jsonl of final/'s weights."""
     loader = run.eval_loader if split == "validation" else run.test_loader
-    run.outputs[split] = collect_outputs(run.model, loader, run.accelerator, fault_step, run.cfg.data.chunk_aggregate)
+    run.outputs[split] = collect_outputs(run.model, loader, run.accelerator, run.cfg.data.chunk_aggregate)
     return score(run.outputs[split], run.cfg.model.problem_type, run.data.label_names, thresholds)
 
 
@@ -593,15 +604,15 @@ def describe_final(run: Run, final: dict[str, Any], thresholds: list[float] | No
         tmp.replace(run.run_dir / "predictions.jsonl")
 
 
-def save(run: Run, progress: TrainingProgress, sums: LogSums) -> Path:
+def save(run: Run) -> Path:
     """The checkpoint of this step, with its memory report (every process calls it).
 
     Raises:
         UserError: the disk is full (the previous checkpoint is intact).
     """
-    acc, cfg = run.accelerator, run.cfg
+    acc, cfg, progress = run.accelerator, run.cfg, run.progress
     run.precision.raise_if_nonfinite()  # no checkpoint of weights after a non-finite step
-    snapshot = dataclasses.replace(progress, log_sums=sums.reduce(acc))
+    snapshot = dataclasses.replace(progress, log_sums=run.sums.reduce(acc))
     if snapshot.batches_in_epoch >= len(run.train_loader):  # a finished epoch: saved as the start of the next
         snapshot.epoch, snapshot.batches_in_epoch = snapshot.epoch + 1, 0
     report = run.memory.report(progress.step)
@@ -669,21 +680,22 @@ def calibrate_final(run: Run, final: dict[str, Any]) -> None:
     )
 
 
-def finish(run: Run, progress: TrainingProgress, was_finished: bool) -> dict[str, Any]:
+def finish(run: Run, was_finished: bool) -> dict[str, Any]:
     """Final evaluation and checkpoint, then final/ and an eval.json that describes final/'s weights."""
-    acc, cfg = run.accelerator, run.cfg
+    acc, cfg, progress = run.accelerator, run.cfg, run.progress
     run.bar.close()
     run.precision.raise_if_nonfinite()
     release_cached_memory(cfg.precision.empty_cache, acc.device)
     if run.eval_loader is not None and progress.eval.get("step") != progress.step:  # not twice for one step
-        progress.eval = evaluate_split(run, "validation", progress.step)
+        progress.eval = evaluate_split(run, "validation")
         progress.eval["step"] = progress.step
         ckpt.update_best(progress.best, cfg.checkpoint.best_metric, progress.eval, progress.step)
         if not was_finished:
             record_row(acc, run.metrics_file, eval_row(progress.step, progress.eval) | run.precision.fields())
     progress.finished = True
     if cfg.checkpoint.every_steps and not was_finished:
-        save(run, progress, LogSums.zeros(acc.device))
+        run.sums.reset()  # a finished run logs no more rows: its checkpoint carries no partial interval
+        save(run)
     memory_report = final_memory_report(run, progress.step)
     run.memory.close()
     final = {**progress.eval, "step": progress.step, "exported": "last"}

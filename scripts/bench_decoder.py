@@ -249,7 +249,7 @@ def ladder_table(path: Path) -> str:
 
 
 def child_finetune_trim(rows: int, seed: int) -> dict[str, Any]:
-    """finetune with glibc's malloc_trim(0) after every optimizer step (issue 45's lead: freed heap pages handed
+    """finetune with glibc's malloc_trim(0) after every optimizer step (a candidate fix: freed heap pages handed
     back between windows); measured, not shipped (docs/MEMORY.md)."""
     import ctypes
 
@@ -266,7 +266,7 @@ def child_finetune_trim(rows: int, seed: int) -> dict[str, Any]:
 
 
 def child_finetune_first(rows: int, seed: int) -> dict[str, Any]:
-    """finetune with each epoch's heaviest window moved to the second step (issue 45's lead: with length-grouped
+    """finetune with each epoch's heaviest window moved to the second step (a candidate fix: with length-grouped
     windows the heap grows step by step as longer windows arrive, each growth around live allocations; the
     heaviest early sets the heap's extent once, as the transformers Trainer's LengthGroupedSampler puts its
     longest batch first; second, not first, so the memory report's one sampled window after the first
@@ -297,8 +297,8 @@ def child_finetune_random(rows: int, seed: int) -> dict[str, Any]:
 
 
 def child_finetune_glibc(rows: int, seed: int) -> dict[str, Any]:
-    """finetune with glibc's malloc defaults throughout (memory.lean_heaviest_window=false): the peak before
-    issue 45's lean heaviest window."""
+    """finetune with glibc's malloc defaults throughout (memory.lean_heaviest_window=false): the peak without
+    the lean heaviest window."""
     return child_finetune(rows, seed, extra=("memory.lean_heaviest_window=false",))
 
 

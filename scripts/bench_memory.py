@@ -86,7 +86,7 @@ RUNGS: list[tuple[str, list[str], int, int, bool]] = [
         4,
         True,
     ),
-    # issue 12 (appended: the indices above stay as docs/MEMORY.md's commands use them)
+    # the combined rungs, appended so that the indices above stay as docs/MEMORY.md's commands use them
     (
         "LoRA r=16 every linear on a bf16-true base (Kahan AdamW), 4 x 8, checkpointing (lr 1e-3)",
         ["precision.mode=bf16-true", CKPT, LORA_ALL, "train.learning_rate=1e-3"],

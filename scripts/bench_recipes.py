@@ -13,7 +13,7 @@ on a machine shared with other work a 2-thread run slowed ~8x here, a 1-thread o
 
 Prints a markdown table (median over seeds, then each seed) and writes JSON to --out.
 
-`finetune init`'s recipe against hand configurations on the shipped data sets (issue 41), one cell a call
+`finetune init`'s recipe against hand configurations on the shipped data sets, one cell a call
 so that each run can hold the shared CPU lock on its own:
 
     .venv/bin/python scripts/bench_recipes.py --row trec --column new [--seed 42] [--results FILE]
@@ -24,10 +24,10 @@ A row's data is written once under --work as train/dev/test .jsonl files init re
 AG News class-balanced sample, seeded stratified 80/20 splits of SMS Spam and BBC News, MRPC's train/dev and
 its labelled test file, an SST-2 sample with the dev set as validation and the SentEval test set as test);
 `finetune init` writes the config (column `today`: init as of commit TODAY_COMMIT, run from a `git archive` of
-it; `new`: this tree; `new0`: records of this tree's init before checkpoint.best_within_se, not rerunnable;
+it; `new`: this tree; `new0`: records of this tree's init without checkpoint.best_within_se, not rerunnable;
 `mpnet`: this tree with `--model mpnet-base`), which trains unedited but for the output
-directory and seed; `hand` is today's config with the row's HAND overrides. The score is test accuracy (a split
-no column trains or selects on), with its bootstrap interval from eval.json; the wall time is the
+directory and seed; `hand` is the `today` column's config with the row's HAND overrides. The score is test
+accuracy (a split no column trains or selects on), with its bootstrap interval from eval.json; the wall time is the
 `finetune/train.py` child's. `--trajectory` trains the new init's config to its epochs bound keeping every
 checkpoint, scores each on test, and prints which one each rule for final/ would take (strict best validation
 accuracy, lowest validation loss, last, the latest within one standard error) where the recipe's early stopping
@@ -60,13 +60,13 @@ VARIANTS = {
 
 
 DATA = Path(os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
-TODAY_COMMIT = "c4f1520"  # finetune init's recipe before issue 41 (a table of epochs by rows, lr 1e-4)
+TODAY_COMMIT = "c4f1520"  # the baseline: finetune init's table recipe there (epochs by rows, lr 1e-4)
 ROWS = ("trec50", "ag2k", "ag8k", "sms", "bbc", "mrpc", "sst2-4k")
-COLUMNS = ("today", "new0", "new", "hand", "mpnet")  # mpnet: this tree's init with --model mpnet-base (issue 42)
-# new0: records of the new init before checkpoint.best_within_se (sessions 18-22: final/ the strictly best
-# validation accuracy); kept in the record and the table, no longer runnable
+COLUMNS = ("today", "new0", "new", "hand", "mpnet")  # mpnet: this tree's init with --model mpnet-base
+# new0: records of the new init without checkpoint.best_within_se (final/ the strictly best validation
+# accuracy); kept in the record and the table, not runnable from this tree
 RUNNABLE = tuple(c for c in COLUMNS if c != "new0")
-# the best hand configuration found per row: overrides of today's init config
+# the best hand configuration found per row: overrides of the `today` column's init config
 HAND: dict[str, list[str]] = {
     "trec50": ["train.epochs=10"],
     "ag2k": ["train.epochs=5"],
@@ -178,7 +178,7 @@ def init(folder: Path, out: Path, today: bool, work: Path, model: str | None = N
             subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
     code = (
         f"import sys\nsys.path.insert(0, {str(src)!r})\n"
-        "try:\n from finetune.init.write import init_config\n"  # scaffold.py held it until session 20
+        "try:\n from finetune.init.write import init_config\n"  # TODAY_COMMIT's tree holds it in another module
         "except ImportError:\n from finetune.init.sniff import init_config\n"
         f"print('\\n'.join(init_config(__import__('pathlib').Path({str(folder)!r}), "
         f"__import__('pathlib').Path({str(out)!r}), force=True{f', model={model!r}' if model else ''})))"
@@ -304,8 +304,8 @@ def table(results: Path) -> str:
         c = json.loads(line)
         cells[(c["row"], c["column"])].append(c)
     columns = [c for c in COLUMNS if c != "mpnet" or any(k[1] == c for k in cells)]
-    heads = {"today": "today's init", "new0": "new init, strict best (s18-22)", "new": "new init", "hand": "best hand"}
-    heads["mpnet"] = "init --model mpnet-base"
+    heads = {"today": f"init at {TODAY_COMMIT}", "new0": "new init, strict best", "new": "new init"}
+    heads |= {"hand": "best hand", "mpnet": "init --model mpnet-base"}
     lines = [
         "| data | " + " | ".join(f"{heads[c]}: acc [95% CI], s" for c in columns) + " | seeds |",
         "|---|" + "---|" * (len(columns) + 1),
@@ -328,7 +328,7 @@ def table(results: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--row", choices=ROWS, help="issue 41: one row of the init-recipe table")
+    parser.add_argument("--row", choices=ROWS, help="one row of the init-recipe table")
     parser.add_argument("--column", choices=RUNNABLE, default="new")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--results", default="/tmp/bench_recipes_rows.jsonl")

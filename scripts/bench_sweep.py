@@ -1,6 +1,6 @@
 """The table of a `finetune sweep` study: one row per trial, against trial 0 (the config's own values).
 
-The sweep itself is the command (docs/BENCHMARKS.md gives it); this reads its study.db and trial
+The sweep itself is the command (docs/ARCHITECTURE.md gives it); this reads its study.db and trial
 directories and prints a markdown table: state, the searched values, the metric (the last reported
 evaluation for a pruned trial), optimizer steps run and wall time.
 

@@ -2,7 +2,7 @@
 
 Every number in docs/ so far comes from a 2-core CPU. This script runs this code's CUDA paths on
 one GPU (written for the lent H200, 8 minutes at most) and writes one JSON and one markdown file
-whose tables docs/BENCHMARKS.md and docs/MEMORY.md take as they are:
+whose tables docs/RESULTS.md, docs/PRECISION.md and docs/MEMORY.md take as they are:
 
 1. precision: fp32 (two seeds: the noise), fp16 (GradScaler), bf16 autocast, bf16-true, bf16 with
    `model.compile`, each a real `finetune.train.train(cfg)` run: samples/s and tokens/s of the
@@ -39,7 +39,7 @@ older ones; 17 MiB):
     PYTHONPATH=. .venv/bin/python scripts/gpu_check.py --prepare .gpu_wheels   # .gpu_wheels/ is git-ignored
 
 On the lent GPU: the device tool's `run` with carry [".gpu_wheels"], timeout_s 600, and this command
-(one line there; docs/BENCHMARKS.md "GPU check" has it verbatim):
+(one line there; docs/PRECISION.md "Re-measuring on a GPU" has it verbatim):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
     .gpu_wheels/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -99,7 +99,7 @@ from finetune.model.load import build_model, build_tokenizer  # noqa: E402
 PEAK_BF16_FLOPS = 790e12  # KINDS.md: an 8192^3 bf16 matmul ran at 769-798 TFLOP/s on random data
 LABELS = ["negative", "positive"]
 # the packages finetune imports that the GPU machine's image lacks (KINDS.md), or has at other versions (transformers
-# 5.17 and its own peft on 2026-12-04), at this venv's versions
+# 5.17 and its own peft), at this venv's versions
 WHEELS = (
     "pydantic",
     "pydantic-core",
@@ -134,7 +134,7 @@ class Shape:
     row_s: float  # a guess at one eager run's seconds: a row starts only with that much of its cap left (x4: compile)
 
 
-# the order they run in: a time cap drops the tail, so the rows the first GPU run (2026-12-04) skipped for time
+# the order they run in: a time cap drops the tail, so the rows no recorded GPU run holds
 # come first (fp16 and bf16-true on MiniLM; fp32, fp16 and compile on Qwen), then the compiled run (its minute
 # of compiling) before the rest
 ALL_MODES = ("fp16", "bf16-true", "fp32", "fp32 seed 1", "bf16 compile", "bf16")
@@ -1154,7 +1154,7 @@ def oom_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The tables docs/BENCHMARKS.md (precision, Trainer, OOM) and docs/MEMORY.md (ladder) take."""
+    """The tables docs/PRECISION.md (precision, Trainer, OOM) and docs/MEMORY.md (ladder) take."""
     env = result["environment"]
     kind = "DRY RUN on CPU, tiny shapes: plumbing" if result["dry_run"] else "GPU run"
     lines = [

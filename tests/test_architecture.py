@@ -36,6 +36,7 @@ LAYERS = [
     "training.budget",
     "training.optim",
     "training.trackers",
+    "training.ranks",
     "training.runtime",
     "training.checkpoint",
     "training.nodes",

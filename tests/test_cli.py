@@ -1,4 +1,4 @@
-"""`finetune predict` and `finetune evaluate` on an exported tiny model (the session's `tiny_run`)."""
+"""`finetune predict` and `finetune evaluate` on an exported tiny model (the session-scoped `tiny_run` fixture)."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_init_refuses_overwrite_and_ambiguous_input(
 
 
 # ----------------------------------------------------------------------------------------------
-# Layouts on small fixtures written to tmp_path (issue #23): what init chose, and that the config it
+# Layouts on small fixtures written to tmp_path: what init chose, and that the config it
 # wrote reads through the app's data path as written.
 
 WORDS = (
@@ -137,7 +137,7 @@ def _sentence(rng: random.Random, n: int) -> str:
 
 def _flags(tmp_path: Path, rng: random.Random) -> Path:
     # SemEval-2018 E-c: tab-separated .txt, CRLF, an ID column, one 0/1 column per emotion; and a column
-    # of 1s (no label: nothing to learn from it, and data.py refuses a label in every row)
+    # of 1s (no label: nothing to learn from it, and data/build.py refuses a label in every row)
     rows = ["ID\tTweet\tanger\tanticipation\tdisgust\tjoy\tchecked"]
     for i in range(40):
         flags = [(i + k) % (k + 2) == 0 for k in range(4)]  # every label in some rows, absent from others
@@ -469,3 +469,23 @@ def test_init_sees_every_label_of_a_records_file_sorted_by_label(tmp_path: Path,
     assert cli_main(["init", str(path), "-o", str(out), "--no-budget"]) == 0
     err = capfd.readouterr().err
     assert "5 classes, one per text" in err and "5 classes, 900 training rows a class" in err
+
+
+def test_init_sees_a_table_as_training_reads_it(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    # quotes that are text and a header cell with spaces around it: the columns init chooses from and the rows
+    # it counts are training's (one reader, with the keys init writes)
+    from finetune.data.reading import read_file
+    from finetune.init.sniff import sniff_data
+
+    rng = random.Random(0)
+    rows = [f'"{_sentence(rng, 6)}" she said\t{["pos", "neg"][i % 2]}' for i in range(50)]
+    path = tmp_path / "train.tsv"
+    path.write_text(" review \tlabel\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "t.yaml"
+    assert _init(path, out) == 0
+    cfg = load_config(out)
+    assert (cfg.data.quoting, cfg.data.text_column) == ("none", " review ")
+    sniffed, _, _ = sniff_data(path)
+    trained = read_file(cfg, path)
+    assert sniffed.columns[" review "] == trained[" review "][:] == [r.split("\t")[0] for r in rows]
+    assert "2 classes, 20 training rows a class" in capfd.readouterr().err  # 50 rows, a fifth held out

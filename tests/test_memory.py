@@ -1,4 +1,4 @@
-"""memory.py: exact tensor sums, the MemTracker sample (frozen parameters included), and the
+"""memory/monitor.py: exact tensor sums, the MemTracker sample (frozen parameters included), and the
 report in every checkpoint of a real tiny run, checked against the checkpoint's own tensors."""
 
 from __future__ import annotations

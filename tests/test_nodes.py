@@ -1,4 +1,4 @@
-"""Past one machine (issue 44): launch checks, shared storage, node loss, and two "nodes" on localhost.
+"""Past one machine: launch checks, shared storage, node loss, and two "nodes" on localhost.
 
 The multi-node launches are real: two `accelerate launch --num_machines 2 --machine_rank 0/1` processes, one
 training process each, gloo over TCP on 127.0.0.1 (ACCELERATE_USE_CPU=1 ... --multi_gpu), as on two hosts.
@@ -199,29 +199,29 @@ class FakeStore:
 def test_a_silent_rank_is_lost_after_the_peer_timeout_and_a_finished_one_is_not(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The main process's view of the beats (runtime._watch_peers) on a clock of its own: rank 1 beats,
+    """The main process's view of the beats (ranks._watch_peers) on a clock of its own: rank 1 beats,
     rank 2 stops after its first beat, rank 3 stops but has ended normally (its "done" mark)."""
-    from finetune.training import runtime
+    from finetune.training import ranks
 
     clock = [0.0]
-    monkeypatch.setattr(runtime.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ranks.time, "monotonic", lambda: clock[0])
     ended: list[tuple[list[int], str]] = []
-    monkeypatch.setattr(runtime, "_end_for_lost", lambda lost, how, store: ended.append((lost, how)))
+    monkeypatch.setattr(ranks, "_end_for_lost", lambda lost, how, store: ended.append((lost, how)))
     store = FakeStore()
-    peers = runtime._PeerBeats(world=4, started=0.0)
+    peers = ranks._PeerBeats(world=4, started=0.0)
     for second in range(1, 40):
         clock[0] = float(second)
-        store.add(f"{runtime.BEAT_KEY}1", 1)
+        store.add(f"{ranks.BEAT_KEY}1", 1)
         if second == 1:
-            store.add(f"{runtime.BEAT_KEY}2", 1)
-            store.add(f"{runtime.BEAT_KEY}3", 1)
-            store.set(f"{runtime.DONE_KEY}3", "1")
-        runtime._watch_peers(store, 0, peers)
+            store.add(f"{ranks.BEAT_KEY}2", 1)
+            store.add(f"{ranks.BEAT_KEY}3", 1)
+            store.set(f"{ranks.DONE_KEY}3", "1")
+        ranks._watch_peers(store, 0, peers)
         if ended:
             break
     assert ended == [([2], "no heartbeat for 31 s")]  # rank 2's last beat moved at second 1
-    assert clock[0] == 1 + runtime.PEER_TIMEOUT_S + 1
-    assert store.values[f"{runtime.BEAT_KEY}0"] == clock[0]  # the main process beat once a second itself
+    assert clock[0] == 1 + ranks.PEER_TIMEOUT_S + 1
+    assert store.values[f"{ranks.BEAT_KEY}0"] == clock[0]  # the main process beat once a second itself
     # after a failed collective: ranks whose counter does not move within the sample are the lost ones
-    monkeypatch.setattr(runtime.time, "sleep", lambda s: store.add(f"{runtime.BEAT_KEY}1", 1))
-    assert runtime.lost_ranks(store, 0, 3) == [2]
+    monkeypatch.setattr(ranks.time, "sleep", lambda s: store.add(f"{ranks.BEAT_KEY}1", 1))
+    assert ranks.lost_ranks(store, 0, 3) == [2]

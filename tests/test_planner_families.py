@@ -1,4 +1,4 @@
-"""The planner against the real training loop (issue 12), for a tiny model of every family, and
+"""The planner against the real training loop, for a tiny model of every family, and
 planning a real-size model from its dimensions alone.
 
 Truth here is not the planner's own harness: `main()` trains, and the loop's MemoryMonitor

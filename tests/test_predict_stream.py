@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from finetune.cli import main as cli_main
+from finetune.core.errors import UserError
 from finetune.deploy import predict
 from finetune.deploy.final import load_final
 
@@ -187,3 +188,100 @@ def test_bad_input_is_one_line_and_writes_nothing(
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, parts or temporary files
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction reads an input as training read the run's data files: the keys final/ records.
+
+# each file is valid only with its run's keys: a csv whose quotes are text, a tsv with quoted tabs and
+# doubled quotes, a csv split at semicolons
+READ_CASES = {
+    "csv_quotes_are_text": (
+        {"data.format": "csv", "data.quoting": "none", "data.delimiter": ...},
+        'text,label\n"quoted" start,1\nshe said "hi" twice,0\n"open only,1\n',
+    ),
+    "tsv_quote_aware": (
+        {"data.format": "tsv", "data.quoting": "minimal", "data.delimiter": ...},
+        'text\tlabel\n"a tab\there"\t1\n"say ""hi"" now"\t0\nplain words\t1\n',
+    ),
+    "csv_semicolons": (
+        {"data.format": "csv", "data.quoting": "none", "data.delimiter": ";"},
+        'text;label\n"quoted" start, and a comma;1\nno quotes, two commas, here;0\n',
+    ),
+}
+
+
+def _python_csv_texts(path: Path, keys: dict) -> list[str]:
+    """The text column as Python's csv module reads the file with the run's keys (an independent reader)."""
+    delimiter = (
+        keys["data.delimiter"] if keys["data.delimiter"] is not ... else {"csv": ",", "tsv": "\t"}[path.suffix[1:]]
+    )
+    quoting = csv.QUOTE_NONE if keys["data.quoting"] == "none" else csv.QUOTE_MINIMAL
+    with path.open(newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f, delimiter=delimiter, quoting=quoting))
+    return [r[rows[0].index("text")] for r in rows[1:]]
+
+
+def _run_with_keys(tmp_path: Path, case: str) -> tuple[Path, dict, Path]:
+    """The case's data file, its run's keys, and a model directory whose config.json holds what final/ records."""
+    from conftest import write_tiny_config
+
+    from finetune.config.files import load_config
+    from finetune.deploy.final import prediction_config
+
+    keys, content = READ_CASES[case]
+    path = tmp_path / f"train.{keys['data.format']}"
+    path.write_text(content, encoding="utf-8")
+    updates = {"data.data_dir": str(tmp_path), "data.train_file": path.name, "data.validation_file": ...}
+    updates |= {"data.text_column": "text", **keys}
+    cfg = load_config(write_tiny_config(tmp_path, updates))
+    model = tmp_path / "final"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(prediction_config(cfg, ["negative", "positive"], None)))
+    return path, keys, model
+
+
+@pytest.mark.parametrize("case", sorted(READ_CASES))
+def test_training_and_prediction_read_a_file_alike(tmp_path: Path, case: str) -> None:
+    from finetune.config.files import load_config
+    from finetune.data.reading import read_file
+
+    path, keys, model = _run_with_keys(tmp_path, case)
+    expected = _python_csv_texts(path, keys)
+    trained = read_file(load_config(tmp_path / "tiny.yaml"), path)["text"][:]
+    options = predict.input_options(path, model)
+    columns = predict.Columns.of({"text": ""}, path, "text", None)
+    predicted = [t for rows in predict._chunks(path, 2, options) for t in columns.texts(rows, path, 0)[0]]
+    assert trained == expected and predicted == expected
+    # a model directory that records no reading (an older final/) reads the file otherwise: the keys decide
+    usual = predict.input_options(path, tmp_path / "older")
+    assert usual != options
+    try:
+        other = [t for rows in predict._chunks(path, 2, usual) for t in columns.texts(rows, path, 0)[0]]
+    except UserError:
+        other = None
+    assert other != expected
+
+
+def test_prediction_reads_the_input_with_the_runs_keys(tiny_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    recorded = json.loads((tiny_run / "final" / "config.json").read_text())["data_reading"]
+    assert recorded["formats"] == ["tsv"] and recorded["quoting"] == "none"  # configs/tiny-debug.yaml's keys
+    # the tiny model as if trained on ;-separated csv files whose quotes are text
+    final = tmp_path / "final"
+    shutil.copytree(tiny_run / "final", final)
+    config = json.loads((final / "config.json").read_text())
+    config["data_reading"] |= {"formats": ["csv"], "delimiter": ";", "quoting": "none"}
+    (final / "config.json").write_text(json.dumps(config))
+    _, content = READ_CASES["csv_semicolons"]
+    inp, out = tmp_path / "in.csv", tmp_path / "out.jsonl"
+    inp.write_text(content)
+    assert cli_main(_argv(final, inp, out)) == 0
+    keys = {"data.delimiter": ";", "data.quoting": "none"}
+    assert [r["text"] for r in _read(out)] == _python_csv_texts(inp, keys)
+    # the input of a format the run did not read (.tsv here) is read as tsv files usually are
+    tsv, out2 = tmp_path / "in.tsv", tmp_path / "out2.jsonl"
+    tsv.write_text('text\n"quoted" tsv text\n')
+    assert cli_main(_argv(final, tsv, out2)) == 0
+    assert [r["text"] for r in _read(out2)] == ['"quoted" tsv text']

@@ -1,4 +1,4 @@
-"""QLoRA (issue 12): `model.quantization` through bitsandbytes on this CPU, for real.
+"""QLoRA: `model.quantization` through bitsandbytes on this CPU, for real.
 
 Tiny random models of every family (tests/test_families.py) are quantized (4-bit NF4 and 8-bit)
 and take a LoRA training step; a whole run through `main()` exports final/ as the unquantized

@@ -22,7 +22,7 @@ from finetune.cli import main as cli_main
 from finetune.config.files import load_config
 from finetune.data.reading import load_raw_splits
 from finetune.data.window import WindowedBatchSampler
-from finetune.evaluation.metrics import compute_metrics, tune_thresholds
+from finetune.evaluation.metrics import compute_metrics, predictions, tune_thresholds
 from finetune.train import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "data_dir")  # conftest.py
@@ -147,6 +147,34 @@ def test_metrics_against_numpy_and_scipy() -> None:
     assert m["micro_f1"] == pytest.approx(2 * tp / (2 * tp + fp + fn))
     assert m["subset_accuracy"] == pytest.approx(float((pred == (truth == 1)).all(1).mean()))
     assert set(m["per_label"]) == {"a", "b", "c"} and m["thresholds"] == [0.5, 0.5, 0.5]
+
+
+def test_predictions_against_plain_numpy() -> None:
+    # the one rule from logits to predictions (metrics, predictions.jsonl, predict, evaluate, export, calibration)
+    rng = np.random.default_rng(1)
+    logits = (rng.normal(size=(40, 4)) * 3).astype(np.float32)
+    z = logits.astype(np.float64)
+
+    probs, predicted = predictions(logits, "single_label_classification")
+    softmax = np.exp(z) / np.exp(z).sum(1, keepdims=True)
+    assert probs is not None and probs.dtype == np.float64
+    np.testing.assert_allclose(probs, softmax, rtol=1e-12, atol=0)
+    assert np.array_equal(predicted, z.argmax(1)) and np.array_equal(predicted, softmax.argmax(1))
+
+    sigmoid = 1 / (1 + np.exp(-z))
+    thresholds = [0.2, 0.5, 0.7, 0.95]
+    for cut, per_label in ((thresholds, np.array(thresholds)), (None, np.full(4, 0.5))):
+        probs, predicted = predictions(logits, "multi_label_classification", cut)
+        assert probs is not None and probs.dtype == np.float64
+        np.testing.assert_allclose(probs, sigmoid, rtol=1e-12, atol=0)
+        assert predicted.dtype == bool and np.array_equal(predicted, sigmoid >= per_label[None, :])
+    assert not np.array_equal(predictions(logits, "multi_label_classification", thresholds)[1], sigmoid >= 0.5)
+    # a label exactly at its threshold is predicted (at or above): sigmoid(0) is 0.5
+    _, at = predictions(np.zeros((1, 2), np.float32), "multi_label_classification", [0.5, 0.5000001])
+    assert at.tolist() == [[True, False]]
+
+    probs, predicted = predictions(logits[:, :1], "regression")
+    assert probs is None and predicted.dtype == np.float64 and np.array_equal(predicted, z[:, 0])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Trackers (issue 44): a server that is down at start is one line and nothing written; a tracker that
+"""Trackers: a server that is down at start is one line and nothing written; a tracker that
 fails mid-run is reported once and dropped while training, checkpoints and metrics.jsonl go on."""
 
 from __future__ import annotations

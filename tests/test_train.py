@@ -229,7 +229,7 @@ def test_tracker_without_its_package_is_one_line(
 def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(
     tiny_config: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A job log (stderr not a terminal) got tqdm's carriage-return frames, one per step and more: now a
+    """A job log (stderr not a terminal) gets no tqdm carriage-return frames (one per step and more) but a
     plain line per interval (here 0 s: one per step) with step/total, elapsed, ETA, rate, loss and
     samples/s; a terminal keeps tqdm's bar. train.log, which has no bar, gets each training row and each
     evaluation as a line, with metrics.jsonl's values; stderr does not get them twice."""

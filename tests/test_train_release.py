@@ -1,4 +1,4 @@
-"""What `finetune.train.train` leaves behind in its process (issue 40): nothing of the run.
+"""What `finetune.train.train` leaves behind in its process: nothing of the run.
 
 A sweep calls train() once per trial in one process; a model, optimizer or tensor that a finished or
 failed run leaves referenced is memory the next trial cannot have (on a GPU, the allocator's blocks).

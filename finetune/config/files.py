@@ -6,7 +6,6 @@ The schema itself (every key, its default and description) is `finetune.config.s
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -16,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from finetune.config.schema import Config, _section_class
+from finetune.config.schema import Config, _section_class, closest_name
 from finetune.core.errors import UserError
 
 # ----------------------------------------------------------------------------------------------
@@ -173,8 +172,8 @@ def _format_errors(exc: ValidationError) -> list[str]:
         if kind == "extra_forbidden":
             cls = _schema_at(loc)
             names = list(cls.model_fields) if cls else []
-            close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
-            hint = f" (did you mean {'.'.join(str(p) for p in loc[:-1] + (close[0],))}?)" if close else ""
+            close = closest_name(str(loc[-1]), names)
+            hint = f" (did you mean {'.'.join(str(p) for p in loc[:-1] + (close,))}?)" if close else ""
             problems.append(f"{key}: unknown key{hint}")
         elif kind == "missing":
             problems.append(f"{key}: required key is missing")

@@ -144,7 +144,7 @@ class ModelConfig(_Section):
         "auto",
         description="the pooler's dense layer (BERT-family: tanh(W h_CLS + b) feeds the classifier) as the checkpoint "
         "has it, or identity (W = I, b = 0): for sentence-transformers checkpoints (all-MiniLM-L6-v2), whose "
-        "pooler was never trained and has near-zero weights (docs/BENCHMARKS.md); auto: identity where the model has "
+        "pooler was never trained and has near-zero weights (docs/ARCHITECTURE.md); auto: identity where the model has "
         "a pooler and its folder is a sentence-transformers checkpoint (modules.json), else the checkpoint's (MPNet's "
         "classifier has no pooler); final/ stays a stock model",
         json_schema_extra=MAY_CHANGE_ON_RESUME,  # a resumed run's pooler comes from the checkpoint
@@ -153,7 +153,7 @@ class ModelConfig(_Section):
         "auto",
         description="every dropout probability of the model (hidden, attention, classifier) set to this; null: the "
         "checkpoint's own (0.1 in BERT-family models); auto: 0 for regression (train-time dropout shifts the "
-        "spread of a regression output that evaluation, without dropout, sees: docs/BENCHMARKS.md), else null",
+        "spread of a regression output that evaluation, without dropout, sees: docs/ARCHITECTURE.md), else null",
     )
     compile: bool = Field(
         False, description="torch.compile the model in place (clean state_dict keys); graphs counted in metrics.jsonl"
@@ -647,6 +647,12 @@ class SweepConfig(_Section):
     )
 
 
+def closest_name(word: str, names: typing.Iterable[str]) -> str | None:
+    """The one of `names` a mistyped `word` most likely meant, for a did-you-mean hint; None when none is close."""
+    close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _section_class(annotation: Any) -> type[BaseModel] | None:
     """The schema class inside a field's annotation (`LoraConfig | None` -> LoraConfig)."""
     for a in (annotation, *typing.get_args(annotation)):
@@ -756,8 +762,8 @@ class Config(_Section):
     def _sweep_space(self) -> Config:
         for key in self.sweep.space:
             if _settable(key) is None:
-                close = difflib.get_close_matches(key, _settable_keys(), n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]}?)" if close else ""
+                close = closest_name(key, _settable_keys())
+                hint = f" (did you mean {close}?)" if close else ""
                 raise ValueError(f"sweep.space: {key} is not a config key that a trial can set{hint}")
         return self
 

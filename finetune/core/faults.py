@@ -37,6 +37,7 @@ logger = logging.getLogger("finetune")
 
 ENV = "FINETUNE_TEST_ONLY_FAULTS"
 _fired: set[tuple[str, int]] = set()  # one-shot faults already raised in this process
+_step = 0  # the last optimizer step the loop passed (`signal_point`): where `oom_in_eval` counts from
 
 
 class InjectedCrash(RuntimeError):
@@ -54,7 +55,9 @@ def spec() -> str:
 
 def announce() -> None:
     """At the start of a run: forget earlier runs' one-shot faults; log loudly when injection is on."""
+    global _step
     _fired.clear()
+    _step = 0
     if spec():
         logger.warning(
             f"WARNING: test-only fault injection is ON ({ENV}={spec()!r}); this run will be interrupted on purpose"
@@ -92,6 +95,9 @@ def _once(kind: str, value: int) -> bool:
 
 def signal_point(where: str, n: int, run_dir: Path, guard: _Signalled) -> None:
     """After micro-batch `n` (where="batch") or optimizer step `n` (where="step")."""
+    global _step
+    if where == "step":
+        _step = n
     if not spec():
         return
     if at(f"sigterm_at_{where}", n):
@@ -121,6 +127,12 @@ def save_point(step: int, stage: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
     if stage == "manifest" and at("crash_in_save", step):
         raise InjectedCrash(f"injected crash while saving step {step}")
+
+
+def last_step() -> int:
+    """The last optimizer step the loop passed in this run (0 before the first): evaluation's faults count from it,
+    so no step number travels through evaluation's signatures for a test's sake."""
+    return _step
 
 
 def oom_point(kind: str, step: int, index_in_window: int = 0, accumulation: int = 1) -> None:

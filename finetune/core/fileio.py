@@ -2,8 +2,8 @@
 (`file_sha256`) and the one reader of the JSON-lines files a run appends to (`read_jsonl`).
 
 They sit at the bottom of the layers because their users span them: the data files' sha256
-(data.py), checkpoint manifests (checkpoint.py), metrics.jsonl for memory.png and the run's peak
-(memory.py), curves.png (metrics.py), resume's trim (checkpoint.py), and the benchmark scripts.
+(data/build.py), checkpoint manifests (checkpoint.py), metrics.jsonl for memory.png and the run's peak
+(memory/monitor.py), curves.png (metrics.py), resume's trim (checkpoint.py), and the benchmark scripts.
 """
 
 from __future__ import annotations

@@ -4,25 +4,33 @@ file per label) or a hub dataset -> raw splits with mapped labels (`RawSplits`, 
 Every dataset goes through the same general options (delimiter, quoting, header, encoding, column
 names, label map, line regex, seeded grouped validation split); there is no dataset-specific code path.
 Tokenizing and batching are `finetune.data.build`.
+
+How a file of each format is opened and parsed lives here alone (`FileOptions`, `csv_options`, `iter_rows`,
+`count_rows`): training reads whole files through `datasets`, `finetune predict` streams its input and
+`finetune init` samples a file through the same options and parsers, so a file reads alike in all three.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import logging
 import math
 import random
 import re
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 import huggingface_hub
+import pandas as pd
 
-from finetune.config.schema import Config
+from finetune.config.schema import Config, DataConfig
 from finetune.config.tasks import MULTI, REGRESSION, SINGLE
 from finetune.core.errors import UserError
 
@@ -31,7 +39,15 @@ datasets.logging.set_verbosity_error()
 huggingface_hub.utils.logging.set_verbosity_error()  # offline: no retry warnings, one UserError line
 datasets.disable_progress_bars()  # loading is quick; the training bar is the one to watch
 
-_EXT_FORMAT = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
+# a file's format by its extension (data.format=auto; `finetune predict`'s input always)
+EXTENSION_FORMATS = {
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".json": "json",
+    ".jsonl": "jsonl",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
 
 
 @dataclass
@@ -86,13 +102,182 @@ class LabelTarget:
 # ----------------------------------------------------------------------------------------------
 # Reading files.
 
+# the data keys that say how a file is parsed once its format is known
+READING_KEYS = ("delimiter", "quoting", "header", "column_names", "encoding", "encoding_errors")
+_ROWS_PER_READ = 4096  # rows parsed at a time when a file is streamed
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """How a data file of a known format is parsed: `data.delimiter`, `quoting`, `header`, `column_names`,
+    `encoding` and `encoding_errors`. Training reads with its config's (`of`), `finetune predict` with those
+    final/ records of the run, `finetune init` with those it sniffed (`from_keys`)."""
+
+    delimiter: str | None
+    quoting: str
+    header: bool
+    column_names: tuple[str, ...] | None
+    encoding: str
+    encoding_errors: str
+
+    @classmethod
+    def from_keys(cls, keys: Mapping[str, Any]) -> FileOptions:
+        """From data.* keys (others are ignored); a key not there takes the schema's default."""
+        values = {k: keys[k] if k in keys else DataConfig.model_fields[k].default for k in READING_KEYS}
+        names = values.pop("column_names")
+        return cls(**values, column_names=tuple(names) if names is not None else None)
+
+    @classmethod
+    def of(cls, d: DataConfig) -> FileOptions:
+        """A config's data section's."""
+        return cls.from_keys(d.model_dump(include=set(READING_KEYS)))
+
+    def as_keys(self) -> dict[str, Any]:
+        """The data.* keys, JSON-ready, as `from_keys` reads them back."""
+        names = list(self.column_names) if self.column_names is not None else None
+        return {k: getattr(self, k) for k in READING_KEYS} | {"column_names": names}
+
+
+def data_formats(cfg: Config) -> list[str]:
+    """The formats the run's data files are read as, where its `FileOptions` apply: text for data.label_files
+    (one text per line, decoded with data.encoding), none for a hub dataset or saved datasets."""
+    d = cfg.data
+    if d.hub_dataset is not None:
+        return []
+    formats = {"text"} if d.label_files is not None else set()
+    for name in (d.train_file, d.validation_file, d.test_file):
+        path = cfg.resolved_path(name)
+        if path is not None and path.is_file():
+            with contextlib.suppress(UserError):  # a file of no known format: training refused it already
+                formats.add(_file_format(cfg, path))
+    return sorted(formats)
+
+
+def csv_options(fmt: str, opts: FileOptions) -> dict[str, Any]:
+    """`pandas.read_csv` keywords for a csv/tsv file. Training hands them to `datasets` (whose csv reader is
+    pandas), prediction and init to pandas itself: fields, quotes and missing cells read alike in all three."""
+    kwargs: dict[str, Any] = dict(
+        sep=opts.delimiter or ("\t" if fmt == "tsv" else ","),
+        quoting=csv.QUOTE_NONE if opts.quoting == "none" else csv.QUOTE_MINIMAL,
+        header=0 if opts.header else None,
+        encoding=opts.encoding,
+        encoding_errors=opts.encoding_errors,
+        # "NA", "null" and friends are text in a sentence, not missing values
+        keep_default_na=False,
+        na_values=[""],
+    )
+    if opts.column_names is not None:
+        kwargs["names"] = list(opts.column_names)
+    return kwargs
+
+
+@contextlib.contextmanager
+def _parse_errors(what: str) -> Iterator[None]:
+    """A decoding or parsing error (pandas', pyarrow's, json's, the codecs') as one line naming `what`."""
+    try:
+        yield
+    except (ValueError, LookupError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(f"cannot read {what}: {type(exc).__name__}: {first}") from None
+
+
+def _frames(source: Path | io.StringIO, fmt: str, opts: FileOptions, nrows: int | None = None) -> Iterator[Any]:
+    """A csv/tsv file's rows in DataFrames of `_ROWS_PER_READ`, every cell as text: per chunk, a column of
+    numbers would otherwise turn "007" into 7 in one chunk and not in the next."""
+    try:
+        reader = pd.read_csv(source, chunksize=_ROWS_PER_READ, nrows=nrows, dtype=str, **csv_options(fmt, opts))
+    except pd.errors.EmptyDataError:  # not even a header
+        return
+    with reader:
+        yield from reader
+
+
+def _open_text(source: Path | io.StringIO, opts: FileOptions) -> Any:
+    """A text file opened as training opens it (universal newlines), or text already read."""
+    if isinstance(source, Path):
+        return source.open(encoding=opts.encoding, errors=opts.encoding_errors)
+    return contextlib.nullcontext(source)
+
+
+def iter_rows(source: Path | io.StringIO, fmt: str, opts: FileOptions, what: str | None = None) -> Iterator[Any]:
+    """A file's rows one at a time, streamed (a .json list is read whole): dicts for csv/tsv (every cell as
+    text, "" when empty), parquet and json(l) records; strings for a text file's lines (a blank line is no
+    row) and json(l) strings. `source` is a path, or for csv/tsv/jsonl/text the file's text already read.
+
+    Raises:
+        UserError: the file cannot be decoded or parsed as `fmt`, or a .json file is not a list; `what`
+            names the file (its path by default).
+    """
+    what = what or str(source)
+    with _parse_errors(what):
+        if fmt in ("csv", "tsv"):
+            for frame in _frames(source, fmt, opts):
+                names, cells = [str(c) for c in frame.columns], [frame[c].fillna("").tolist() for c in frame.columns]
+                yield from (dict(zip(names, row, strict=True)) for row in zip(*cells, strict=True))
+        elif fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            for batch in pq.ParquetFile(source).iter_batches(batch_size=_ROWS_PER_READ):
+                yield from batch.to_pylist()
+        elif fmt == "json":
+            with _open_text(source, opts) as f:
+                records = json.load(f)
+            if not isinstance(records, list):  # an object would give its keys as rows
+                raise UserError(f"{what}: a .json file must be a list of texts or of records")
+            yield from records
+        else:
+            with _open_text(source, opts) as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    if fmt != "jsonl":
+                        yield line.rstrip("\n")
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise UserError(f"cannot read {what}: line {number} is not JSON ({exc})") from None
+                    yield row
+
+
+def table_columns(path: Path, fmt: str, opts: FileOptions, nrows: int | None = None) -> dict[str, list[str]]:
+    """A csv/tsv file's columns (its first `nrows` rows), every cell as text ("" when empty), as `iter_rows`
+    reads them.
+
+    Raises:
+        UserError: the file cannot be decoded or parsed as `fmt`.
+    """
+    columns: dict[str, list[str]] = {}
+    with _parse_errors(str(path)):
+        for frame in _frames(path, fmt, opts, nrows):
+            for name in frame.columns:
+                columns.setdefault(str(name), []).extend(frame[name].fillna("").tolist())
+    return columns
+
+
+def count_rows(path: Path, fmt: str, opts: FileOptions, what: str | None = None) -> int:
+    """How many rows `iter_rows` gives: parquet's metadata, a csv/tsv file's parsed rows (a quoted field may
+    hold line breaks), else one pass over the rows.
+
+    Raises:
+        UserError: as `iter_rows`.
+    """
+    with _parse_errors(what or str(path)):
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return int(pq.ParquetFile(path).metadata.num_rows)
+        if fmt in ("csv", "tsv"):
+            return sum(len(frame) for frame in _frames(path, fmt, opts))
+    return sum(1 for _ in iter_rows(path, fmt, opts, what))
+
 
 def _file_format(cfg: Config, path: Path) -> str:
     if cfg.data.format != "auto":
         return cfg.data.format
     if cfg.data.line_regex is not None:
         return "text"
-    fmt = _EXT_FORMAT.get(path.suffix.lower())
+    fmt = EXTENSION_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise UserError(f"cannot tell the format of {path} from its extension; set data.format")
     return fmt
@@ -212,19 +397,7 @@ def read_file(cfg: Config, path: Path) -> datasets.Dataset:
         _check_decodable(path, d.encoding)
     try:
         if fmt in ("csv", "tsv"):
-            delimiter = d.delimiter or ("\t" if fmt == "tsv" else ",")
-            kwargs: dict[str, Any] = dict(
-                sep=delimiter,
-                quoting=csv.QUOTE_NONE if d.quoting == "none" else csv.QUOTE_MINIMAL,
-                header=0 if d.header else None,
-                encoding=d.encoding,
-                encoding_errors=d.encoding_errors,
-                # "NA", "null" and friends are text in a sentence, not missing values
-                keep_default_na=False,
-                na_values=[""],
-            )
-            if d.column_names is not None:
-                kwargs["names"] = d.column_names
+            kwargs = csv_options(fmt, FileOptions.of(d))
             ds = datasets.load_dataset("csv", data_files=str(path), split="train", **kwargs)
         elif fmt in ("json", "jsonl"):
             ds = datasets.load_dataset("json", data_files=str(path), split="train")

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from finetune.config.tasks import PROBLEM_TYPES, lower_is_better
+from finetune.config.tasks import MULTI, PROBLEM_TYPES, SINGLE, lower_is_better
 from finetune.core.errors import UserError
 from finetune.deploy.final import check_final, load_final
-from finetune.deploy.predict import OnnxClassifier, label_names, model_logits, problem_type
+from finetune.deploy.predict import OnnxClassifier, label_names, label_thresholds, model_logits, problem_type
 from finetune.evaluation.metrics import compute_metrics
 
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
@@ -151,16 +151,14 @@ def onnx_score(directory: Path, tokenizer: Any, rows: tuple[list[str], list[str]
     kind, names = problem_type(model.config), label_names(model.config)
     texts, pairs, gold = rows
     logits = model_logits(tokenizer, model, texts, pairs, on_texts=lambda n: None)
-    if kind == "single_label_classification":
+    if kind == SINGLE:
         y = np.asarray([names.index(g) for g in gold])
-    elif kind == "multi_label_classification":
+    elif kind == MULTI:
         y = np.asarray([[float(n in g) for n in names] for g in gold])
     else:
         y = np.asarray(gold, dtype=np.float64)
-    cut = getattr(model.config, "label_thresholds", None)
-    thresholds = [cut[n] for n in names] if cut else [0.5] * len(names)
     metric = PROBLEM_TYPES[kind].headline[0]
-    return float(compute_metrics(kind, y, logits, names, thresholds)[metric])
+    return float(compute_metrics(kind, y, logits, names, label_thresholds(model.config))[metric])
 
 
 def quantize_int8(directory: Path, tokenizer: Any, final: Path) -> dict[str, Any]:
@@ -177,7 +175,7 @@ def quantize_int8(directory: Path, tokenizer: Any, final: Path) -> dict[str, Any
     metric = PROBLEM_TYPES[kind].headline[0]
     before = onnx_score(directory, tokenizer, rows) if rows else None
     quantized = directory / "model.int8.onnx"
-    # a scale per output column: one scale for a whole matrix rounds its small columns away (docs/BENCHMARKS.md)
+    # a scale per output column: one scale for a whole matrix rounds its small columns away (docs/ARCHITECTURE.md)
     quantize_dynamic(directory / "model.onnx", quantized, weight_type=QuantType.QInt8, per_channel=True)
     for f in directory.glob("model.onnx*"):  # the fp32 graph and its external weights
         f.unlink()
@@ -245,3 +243,24 @@ def export_onnx(
         shutil.rmtree(out)
     tmp.rename(out)
     return check
+
+
+def describe_check(check: dict[str, Any], out: str | Path) -> str:
+    """`finetune export`'s account of an export: the graph's inputs and its largest logit difference from PyTorch,
+    and with int8 the validation metric of both graphs (a warning line when int8 loses more than half a point)."""
+    lines = [
+        f"wrote {out}/model.onnx (inputs {', '.join(check['inputs'])}; batch and sequence dynamic); "
+        f"ONNX Runtime vs PyTorch: max |logit difference| {check['max_abs_diff']:.2e} over "
+        f"{len(check['checks'])} batches (tolerance {check['tolerance']:g})"
+    ]
+    int8 = check.get("int8")
+    if int8 and isinstance(int8["validation"], dict):
+        v = int8["validation"]
+        line = f"int8 on validation ({v['texts']} texts): {v['metric']} {v['int8']:.4f} against fp32 {v['fp32']:.4f}"
+        if int8["warning"]:
+            loss, most = 100 * int8["int8_loss"], 100 * INT8_LOSS_WARNING
+            line = f"warning: {line}, a loss of {loss:.2f} points (more than {most:g})"
+        lines.append(line)
+    elif int8:
+        lines.append(f"int8: {int8['validation']}")
+    return "\n".join(lines)

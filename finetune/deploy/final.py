@@ -19,9 +19,12 @@ from safetensors import SafetensorError
 
 from finetune.config.schema import Config
 from finetune.core.errors import UserError
+from finetune.data.reading import FileOptions, data_formats
 from finetune.model.load import exportable, is_quantized, merge_adapter, quiet_peft_deprecation, unquantized_base
 from finetune.training.checkpoint import TMP_PREFIX, remove_tree
 
+# final/config.json's key for how the run read its data files: `finetune predict` reads inputs of those formats alike
+DATA_READING = "data_reading"
 # a tokenizer's vocabulary: tokenizer.json (fast, what export_final writes) or a slow tokenizer's own file
 VOCAB_FILES = (
     "tokenizer.json",
@@ -118,7 +121,8 @@ def load_final(final: Path) -> tuple[Any, Any]:
 
 
 def prediction_config(cfg: Config, label_names: list[str], thresholds: list[float] | None) -> dict[str, Any]:
-    """final/config.json entries that make `finetune predict` read texts as evaluation did."""
+    """final/config.json entries that make `finetune predict` read texts as evaluation did, and its input
+    files as training read the run's (`DATA_READING`: the formats and the data keys that parse them)."""
     d, extra = cfg.data, {}
     if thresholds:
         extra["label_thresholds"] = dict(zip(label_names, thresholds, strict=True))
@@ -126,7 +130,21 @@ def prediction_config(cfg: Config, label_names: list[str], thresholds: list[floa
         extra.update(chunk_stride=d.chunk_stride, chunk_aggregate=d.chunk_aggregate)
     if d.truncation is not None:
         extra.update(truncation=d.truncation, head_fraction=d.head_fraction)
+    formats = data_formats(cfg)
+    if formats:
+        extra[DATA_READING] = {"formats": formats, **FileOptions.of(d).as_keys()}
     return extra
+
+
+def recorded_reading(directory: Path) -> dict[str, Any] | None:
+    """How the run read its data files, as final/config.json (or an ONNX export's copy) records it: `formats`
+    and the `FileOptions` keys. None for a final/ written before the record, a run on a hub dataset, or a
+    config.json that cannot be read (`check_final` names it)."""
+    try:
+        recorded = json.loads((directory / "config.json").read_text(encoding="utf-8")).get(DATA_READING)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def export_final(

@@ -1,6 +1,7 @@
 """Prediction with an exported model: texts in, one prediction per text out, in input order.
 
-`finetune predict` streams: the input (.txt, .csv/.tsv, .jsonl, .parquet; a .json list is read whole) is
+`finetune predict` streams: the input (.txt, .csv/.tsv, .jsonl, .parquet; a .json list is read whole), parsed
+as the run parsed its data files of that format (`input_options`, `finetune.data.reading.iter_rows`), is
 read in chunks of `--chunk-size` texts, each chunk is sorted by length into batches (less padding), and
 its predictions are written as a numbered part file in a hidden directory beside the output as soon as
 the chunk is done. At the end the parts are joined into the output (.csv, .jsonl or .parquet), written
@@ -31,14 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from finetune.config.files import load_config
+from finetune.config.tasks import MULTI, SINGLE
 from finetune.core.errors import UserError
 from finetune.data.build import Windowing, encode_texts
-from finetune.deploy.final import VOCAB_FILES, check_final, load_final
-from finetune.evaluation.metrics import per_text
+from finetune.data.reading import EXTENSION_FORMATS, FileOptions, count_rows, iter_rows, load_raw_splits
+from finetune.deploy.final import VOCAB_FILES, check_final, load_final, recorded_reading
+from finetune.evaluation.metrics import bootstrap_ci, compute_metrics, per_text, predictions
 from finetune.model.load import position_limit
 from finetune.training.runtime import progress_bar
 
-INPUTS = (".txt", ".csv", ".tsv", ".jsonl", ".json", ".parquet")
+INPUTS = tuple(EXTENSION_FORMATS)
 OUTPUTS = (".jsonl", ".csv", ".parquet")
 BACKENDS = ("pytorch", "onnx")
 ONNX_FILE = "model.onnx"
@@ -48,59 +52,44 @@ ONNX_FILE = "model.onnx"
 # Texts in.
 
 
-def _records(path: Path) -> Iterator[Any]:
-    """Rows of the input, one at a time: dicts (.csv/.tsv, .parquet, .jsonl/.json records) or strings
-    (.txt lines, .jsonl/.json strings).
+def input_format(path: Path) -> str:
+    """The input's format, by its extension.
 
     Raises:
-        UserError: a .json that is not a list, a line of .jsonl that is not JSON.
+        UserError: an extension predict cannot read.
     """
-    suffix = path.suffix.lower()
-    if suffix in (".csv", ".tsv"):
-        # a BOM (Excel exports) is not part of the first column's name; a TSV's quotes are text
-        with path.open(newline="", encoding="utf-8-sig") as f:
-            if suffix == ".tsv":
-                yield from csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-            else:
-                yield from csv.DictReader(f)
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-            yield from batch.to_pylist()
-    elif suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise UserError(f"cannot read --input {path}: line {number} is not JSON ({exc})") from None
-    elif suffix == ".json":
-        records = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(records, list):  # a .json object would give its keys as texts
-            raise UserError(f"--input {path}: a .json input must be a list of texts or of records")
-        yield from records
-    else:
-        with path.open(encoding="utf-8") as f:
-            for line in f:  # splitlines: the separators str.splitlines knows, as a whole-file read would
-                yield from (x for x in line.splitlines() if x.strip())
+    fmt = EXTENSION_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise UserError(f"--input {path}: cannot infer its format from the name; use one of {', '.join(INPUTS)}")
+    return fmt
 
 
-def _chunks(path: Path, chunk_size: int) -> Iterator[list[Any]]:
-    """The input's rows in lists of `chunk_size` (the last may be shorter).
+def input_options(path: Path, model: Path) -> FileOptions:
+    """How the input is parsed: as the run read its data files (its data.delimiter, quoting, header,
+    column_names, encoding, encoding_errors, which final/config.json records) when the input is of a
+    format the run read; else as such files usually are: a header, commas (csv) or tabs with quotes as
+    text (tsv), UTF-8 with or without a BOM (every input of a final/ from before the record).
+
+    Raises:
+        UserError: an extension predict cannot read.
+    """
+    fmt = input_format(path)
+    recorded = recorded_reading(model)
+    if recorded is not None and fmt in recorded.get("formats", []):
+        return FileOptions.from_keys(recorded)
+    return FileOptions.from_keys({"quoting": "none" if fmt == "tsv" else "minimal", "encoding": "utf-8-sig"})
+
+
+def _chunks(path: Path, chunk_size: int, options: FileOptions) -> Iterator[list[Any]]:
+    """The input's rows (`iter_rows`: dicts, or strings for .txt lines and .jsonl/.json strings) in lists of
+    `chunk_size` (the last may be shorter).
 
     Raises:
         UserError: the input cannot be decoded or parsed.
     """
-    rows = _records(path)
-    try:
-        while chunk := list(itertools.islice(rows, chunk_size)):
-            yield chunk
-    except (UnicodeDecodeError, json.JSONDecodeError, csv.Error) as exc:
-        raise UserError(f"cannot read --input {path}: {type(exc).__name__}: {exc}") from None
-    except OSError as exc:  # pyarrow's errors for a file that is not parquet derive from it
-        raise UserError(f"cannot read --input {path}: {type(exc).__name__}: {exc}") from None
+    rows = iter_rows(path, input_format(path), options, f"--input {path}")
+    while chunk := list(itertools.islice(rows, chunk_size)):
+        yield chunk
 
 
 @dataclass
@@ -150,30 +139,7 @@ def check_input(path: Path) -> None:
     """
     if not path.is_file():
         raise UserError(f"--input {path} does not exist" if not path.exists() else f"--input {path} is not a file")
-    if path.suffix.lower() not in INPUTS:
-        raise UserError(f"--input {path}: cannot infer its format from the name; use one of {', '.join(INPUTS)}")
-
-
-def read_texts(path: Path, text_column: str, pair_column: str | None = None) -> tuple[list[str], list[str] | None]:
-    """All texts (and second texts of pairs) of an input at once (`finetune predict` streams instead).
-
-    Raises:
-        UserError: the file is missing, unreadable, empty, or lacks a named column in some row.
-    """
-    check_input(path)
-    rows = [r for chunk in _chunks(path, 1 << 16) for r in chunk]
-    if not rows:
-        raise UserError(f"--input {path} has no texts")
-    return Columns.of(rows[0], path, text_column, pair_column).texts(rows, path, 0)
-
-
-def count_rows(path: Path) -> int:
-    """How many texts the input holds, for the progress bar: parquet's metadata, else one pass over the rows."""
-    if path.suffix.lower() == ".parquet":
-        import pyarrow.parquet as pq
-
-        return int(pq.ParquetFile(path).metadata.num_rows)
-    return sum(len(c) for c in _chunks(path, 1 << 16))
+    input_format(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,13 +258,24 @@ def model_logits(
     return logits.numpy()
 
 
+# What a model's config (final/config.json, or an ONNX export's copy of it) says about reading its logits.
+
+
 def label_names(config: Any) -> list[str]:
     """The model's label names in id order."""
     return [config.id2label[i] for i in range(config.num_labels)]
 
 
 def problem_type(config: Any) -> str:
-    return getattr(config, "problem_type", None) or "single_label_classification"
+    """The model's problem type (single-label when the config names none, as transformers reads it)."""
+    return getattr(config, "problem_type", None) or SINGLE
+
+
+def label_thresholds(config: Any) -> list[float]:
+    """The multi-label decision thresholds in label id order: final/config.json's `label_thresholds`, 0.5 for a
+    label without one (every label of other problem types)."""
+    given = getattr(config, "label_thresholds", None) or {}
+    return [given.get(name, 0.5) for name in label_names(config)]
 
 
 def predict_texts(
@@ -310,32 +287,58 @@ def predict_texts(
     pairs: list[str] | None = None,
     on_texts: Callable[[int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One prediction per text, in input order, as the model's problem type reads its logits:
+    """One prediction per text, in input order, as the model's problem type reads its logits (`predictions`):
     single-label: `label`, `score` and softmax `probabilities`; multi-label: `labels` (the labels at or
     above their thresholds from final/config.json's `label_thresholds`, else 0.5) and sigmoid
     `probabilities`; regression: `score`."""
     logits = model_logits(tokenizer, model, texts, pairs, batch_size, max_length, on_texts)
     names, kind = label_names(model.config), problem_type(model.config)
+    probs, predicted = predictions(logits, kind, label_thresholds(model.config))
     out = []
-    for i, row in enumerate(logits):
+    for i in range(len(logits)):
         p: dict[str, Any] = {"text": texts[i], **({"text_pair": pairs[i]} if pairs is not None else {})}
-        if kind == "regression":
-            p["score"] = float(row[0])
-        elif kind == "multi_label_classification":
-            probs = 1.0 / (1.0 + np.exp(-row.astype(np.float64)))
-            thresholds = getattr(model.config, "label_thresholds", None) or {}
-            p["labels"] = [n for n, q in zip(names, probs, strict=True) if q >= thresholds.get(n, 0.5)]
-            p["probabilities"] = {n: float(q) for n, q in zip(names, probs, strict=True)}
+        if probs is None:  # regression
+            p["score"] = float(predicted[i])
+        elif kind == MULTI:
+            p["labels"] = [n for n, on in zip(names, predicted[i].tolist(), strict=True) if on]
         else:
-            probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
-            best = int(probs.argmax())
-            p.update(
-                label=names[best],
-                score=float(probs[best]),
-                probabilities={n: float(q) for n, q in zip(names, probs, strict=True)},
-            )
+            p.update(label=names[int(predicted[i])], score=float(probs[i, predicted[i]]))
+        if probs is not None:
+            p["probabilities"] = dict(zip(names, probs[i].tolist(), strict=True))
         out.append(p)
     return out
+
+
+def evaluate_final(directory: Path, config_file: str | Path, overrides: list[str]) -> dict[str, Any]:
+    """`finetune evaluate`: the metrics, with bootstrap intervals, of final/ `directory` on the validation and test
+    data of a config (`overrides` applied), its texts cut where the config's `data.max_length` says and multi-label
+    decisions at final/'s thresholds; `{split: metrics}`.
+
+    Raises:
+        UserError: a bad config, final/ or data; the model's labels or problem type differ from the config's; the
+            config has no validation or test data.
+    """
+    cfg = load_config(config_file, overrides)
+    tokenizer, model = load_final(Path(directory))
+    raw = load_raw_splits(cfg)
+    names, kind, thresholds = label_names(model.config), problem_type(model.config), label_thresholds(model.config)
+    if names != raw.label_names:
+        raise UserError(f"the model's labels {names} differ from the data's {raw.label_names}")
+    if kind != cfg.model.problem_type:
+        raise UserError(f"the model is a {kind} model, the config says model.problem_type={cfg.model.problem_type}")
+    result: dict[str, Any] = {}
+    for split, ds in (("validation", raw.validation), ("test", raw.test)):
+        if ds is None:
+            continue
+        pairs = ds["text_pair"][:] if "text_pair" in ds.column_names else None  # data.text_pair_column
+        logits = model_logits(tokenizer, model, ds["text"][:], pairs, max_length=cfg.data.max_length)
+        y_true = np.asarray(raw.targets(ds))
+        result[split] = compute_metrics(kind, y_true, logits, names, thresholds) | bootstrap_ci(
+            kind, y_true, logits, len(names), thresholds, cfg.train.bootstrap_resamples, cfg.run.seed
+        )
+    if not result:
+        raise UserError(f"{config_file} has no validation or test data to evaluate on")
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -554,7 +557,8 @@ def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False, workers
     """
     check_input(job.input)
     check_output(job.output, overwrite)
-    chunks = _chunks(job.input, job.chunk_size)
+    options = input_options(job.input, job.model)
+    chunks = _chunks(job.input, job.chunk_size, options)
     first = next(chunks, None)
     if first is None:
         raise UserError(f"--input {job.input} has no texts")
@@ -564,7 +568,7 @@ def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False, workers
     from transformers import AutoConfig
 
     header = csv_header(AutoConfig.from_pretrained(job.model), columns.pair is not None)
-    total = count_rows(job.input)
+    total = count_rows(job.input, input_format(job.input), options, f"--input {job.input}")
     job.output.parent.mkdir(parents=True, exist_ok=True)
     done = parts_done(job, overwrite)
     if done:

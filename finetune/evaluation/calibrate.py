@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 from scipy.optimize import minimize_scalar
-from scipy.special import log_softmax, softmax
+from scipy.special import log_softmax
 
+from finetune.config.tasks import SINGLE
+from finetune.evaluation.metrics import predictions
 from finetune.model.load import output_layer
 
 ECE_BINS = 15
@@ -71,7 +73,7 @@ def calibration_report(logits: np.ndarray, labels: np.ndarray, temperature: floa
     z, y = np.asarray(logits, np.float64), np.asarray(labels, np.int64)
     out: dict[str, float] = {}
     for when, t in (("before", 1.0), ("after", temperature)):
-        p = softmax(z / t, axis=1)
+        p, _ = predictions(z / t, SINGLE)
         out |= {f"ece_{when}": ece(p, y), f"brier_{when}": brier(p, y), f"nll_{when}": nll(z, y, t)}
     return out
 
@@ -126,7 +128,7 @@ def plot_reliability(logits: np.ndarray, labels: np.ndarray, temperature: float,
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", label="perfect calibration")
     for name, t, marker in (("softmax", 1.0, "o"), (f"T = {temperature:.3f}", temperature, "s")):
-        p = softmax(z / t, axis=1)
+        p, _ = predictions(z / t, SINGLE)
         points = reliability_points(p, y)
         ax.plot(
             [c for c, _, _ in points], [a for _, a, _ in points], marker=marker, label=f"{name}: ECE {ece(p, y):.4f}"

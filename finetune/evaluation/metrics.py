@@ -3,6 +3,9 @@
 single_label_classification: accuracy, macro-F1, per class, confusion matrix. multi_label_classification:
 micro- and macro-F1, per-label F1 and subset accuracy at per-label decision thresholds (tuned on the
 data given, or passed in: the test split uses validation's). regression: Pearson, Spearman, MSE.
+
+`predictions` turns logits into probabilities and predictions for every reader: metrics, predictions.jsonl,
+calibration and deploy's `finetune predict`, `evaluate` and `export`.
 """
 
 from __future__ import annotations
@@ -30,9 +33,37 @@ from finetune.config.tasks import HEADLINE, MULTI, PROBLEM_TYPES, REGRESSION
 from finetune.core import faults
 from finetune.core.errors import UserError
 from finetune.core.fileio import read_jsonl
+from finetune.memory.monitor import latest_report, plot_memory
 from finetune.model.precision import fp32_per_sample_loss
 
 logger = logging.getLogger("finetune")
+
+
+def above_thresholds(probs: np.ndarray, thresholds: Sequence[float] | None) -> np.ndarray:
+    """Multi-label decisions: per text and label, whether its probability is at or above the label's
+    threshold (0.5 for every label without thresholds)."""
+    cut = thresholds if thresholds is not None and len(thresholds) else [0.5] * probs.shape[-1]
+    return probs >= np.asarray(cut, dtype=np.float64)
+
+
+def predictions(
+    logits: np.ndarray, problem_type: str, thresholds: Sequence[float] | None = None
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """What the model predicts from its logits (one row per text), in float64: the one rule that metrics,
+    predictions.jsonl, calibration, `finetune predict`, `evaluate` and `export` read logits by.
+
+    Returns `(probabilities, predicted)`: single-label, the softmax and the argmax label id; multi-label, the
+    sigmoid per label and whether each is at or above its threshold (`above_thresholds`); regression, None
+    and the value itself.
+    """
+    z = np.asarray(logits, dtype=np.float64)
+    if problem_type == REGRESSION:
+        return None, z[:, 0]
+    if problem_type == MULTI:
+        probs = 1.0 / (1.0 + np.exp(-z))
+        return probs, above_thresholds(probs, thresholds)
+    shifted = np.exp(z - z.max(-1, keepdims=True))  # scipy.special.softmax's arithmetic
+    return shifted / shifted.sum(-1, keepdims=True), z.argmax(-1)
 
 
 def classification_metrics(y_true: Sequence[int], y_pred: Sequence[int], label_names: list[str]) -> dict[str, Any]:
@@ -72,13 +103,13 @@ def multilabel_metrics(
     y_true: np.ndarray, probs: np.ndarray, label_names: list[str], thresholds: list[float]
 ) -> dict[str, Any]:
     """Micro/macro-F1, per-label precision/recall/F1/support and subset accuracy at `thresholds`."""
-    pred = probs >= np.asarray(thresholds)[None, :]
+    pred = above_thresholds(probs, thresholds)
     p, r, f, s = precision_recall_fscore_support(y_true, pred, zero_division=0)
     return {
         "micro_f1": float(f1_score(y_true, pred, average="micro", zero_division=0)),
         "macro_f1": float(f1_score(y_true, pred, average="macro", zero_division=0)),
         "subset_accuracy": float(accuracy_score(y_true, pred)),
-        "micro_f1_at_0.5": float(f1_score(y_true, probs >= 0.5, average="micro", zero_division=0)),
+        "micro_f1_at_0.5": float(f1_score(y_true, above_thresholds(probs, None), average="micro", zero_division=0)),
         "per_label": {
             name: {
                 "precision": float(p[i]),
@@ -119,12 +150,12 @@ def compute_metrics(
 ) -> dict[str, Any]:
     """The metrics of `problem_type` from gathered labels and logits (multi-label: thresholds tuned
     on these rows when none are given)."""
+    probs, predicted = predictions(logits, problem_type, thresholds)
     if problem_type == REGRESSION:
-        return regression_metrics(y_true.astype(np.float64), logits[:, 0].astype(np.float64))
+        return regression_metrics(y_true.astype(np.float64), predicted)
     if problem_type == MULTI:
-        probs = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
         return multilabel_metrics(y_true, probs, label_names, thresholds or tune_thresholds(y_true, probs))
-    return classification_metrics(y_true.tolist(), logits.argmax(-1).tolist(), label_names)
+    return classification_metrics(y_true.tolist(), predicted.tolist(), label_names)
 
 
 def _f1(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> np.ndarray:
@@ -139,15 +170,19 @@ def headline_metrics(
     """The problem type's headline metrics (`tasks.PROBLEM_TYPES`) as `compute_metrics` defines them (the
     tests compare them), from counts in numpy: ~0.1 ms against sklearn's ~3 ms, and a bootstrap repeats
     it a thousand times."""
+    return _headline_of(problem_type, y_true, predictions(logits, problem_type, thresholds)[1], num_labels)
+
+
+def _headline_of(problem_type: str, y_true: np.ndarray, pred: np.ndarray, num_labels: int) -> dict[str, float]:
+    """`headline_metrics` from the predictions (`predictions`' second value)."""
     if problem_type == REGRESSION:
-        pred, gold = logits[:, 0].astype(np.float64), y_true.astype(np.float64)
+        gold = y_true.astype(np.float64)
         return {
             "pearson": _correlation(pearsonr, pred, gold),
             "spearman": _correlation(spearmanr, pred, gold),
             "mse": float(np.mean((pred - gold) ** 2)),
         }
     if problem_type == MULTI:
-        pred = 1.0 / (1.0 + np.exp(-logits.astype(np.float64))) >= np.asarray(thresholds or [0.5] * num_labels)
         gold = y_true.astype(bool)
         tp, fp, fn = (pred & gold).sum(0), (pred & ~gold).sum(0), (~pred & gold).sum(0)
         return {
@@ -155,7 +190,6 @@ def headline_metrics(
             "macro_f1": float(_f1(tp, fp, fn).mean()),
             "subset_accuracy": float(np.mean((pred == gold).all(1))),
         }
-    pred = logits.argmax(-1)
     counts = np.bincount(y_true.astype(np.int64) * num_labels + pred, minlength=num_labels**2)
     confusion = counts.reshape(num_labels, num_labels)  # rows: gold, columns: predicted
     tp = np.diag(confusion)
@@ -184,9 +218,10 @@ def bootstrap_ci(
         return {}
     rng = np.random.default_rng(seed)
     values: dict[str, list[float]] = {k: [] for k in PROBLEM_TYPES[problem_type].headline}
+    _, pred = predictions(logits, problem_type, thresholds)  # per text: a resample's are these rows' own
     for _ in range(resamples):
         rows = rng.integers(0, n, n)
-        for key, value in headline_metrics(problem_type, y_true[rows], logits[rows], num_labels, thresholds).items():
+        for key, value in _headline_of(problem_type, y_true[rows], pred[rows], num_labels).items():
             values[key].append(value)
     tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
     out: dict[str, Any] = {f"{k}_ci": [float(x) for x in np.percentile(v, tails)] for k, v in values.items()}
@@ -237,6 +272,21 @@ def plot_curves(metrics_file: Path, out_file: Path) -> None:
     plt.close(fig)
 
 
+def plot_run(run: Path) -> list[Path]:
+    """`finetune report --plots`: the run's curves.png and memory.png drawn again from its metrics.jsonl;
+    returns the files written.
+
+    Raises:
+        UserError: the run has no metrics.jsonl.
+    """
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise UserError(f"{run} has no metrics.jsonl to plot")
+    plot_curves(metrics, run / "curves.png")
+    plot_memory(metrics, run / "memory.png", report=latest_report(run))
+    return [run / "curves.png", run / "memory.png"]
+
+
 def _forward_in_chunks(model: torch.nn.Module, batch: dict[str, torch.Tensor], rows: int | None) -> torch.Tensor:
     """Logits of `batch`, computed `rows` rows at a time (all at once when None)."""
     n = batch["input_ids"].shape[0]
@@ -245,7 +295,7 @@ def _forward_in_chunks(model: torch.nn.Module, batch: dict[str, torch.Tensor], r
 
 
 def batch_logits(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], rows: int | None, fault_step: int, alone: bool = True
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], rows: int | None, alone: bool = True
 ) -> tuple[torch.Tensor, int | None]:
     """Logits of an evaluation batch, halving the rows per forward after an out-of-memory error;
     returns the logits and the rows per forward that worked (kept for the following batches).
@@ -256,7 +306,7 @@ def batch_logits(
     n = batch["input_ids"].shape[0]
     while True:
         try:
-            faults.oom_point("oom_in_eval", fault_step)
+            faults.oom_point("oom_in_eval", faults.last_step())
             return _forward_in_chunks(model, batch, rows), rows
         except torch.OutOfMemoryError as exc:
             current = rows or n
@@ -286,9 +336,7 @@ class Outputs:
 
 
 @torch.no_grad()
-def collect_outputs(
-    model: torch.nn.Module, loader: Any, accelerator: Accelerator, fault_step: int = 0, aggregate: str = "mean"
-) -> Outputs:
+def collect_outputs(model: torch.nn.Module, loader: Any, accelerator: Accelerator, aggregate: str = "mean") -> Outputs:
     """Logits and labels of a prepared loader, per text; `gather_for_metrics` drops the duplicates
     of padded batches. Rows that are windows of one text (`data.chunk_stride`) are scored as that
     text: their logits averaged (`aggregate="mean"`) or maxed. An out-of-memory error halves the
@@ -302,7 +350,7 @@ def collect_outputs(
     rows = None
     for batch in loader:
         labels, doc = batch.pop("labels"), batch.pop("doc")  # doc: the text a row (a window) belongs to
-        logits, rows = batch_logits(model, batch, rows, fault_step, accelerator.num_processes == 1)
+        logits, rows = batch_logits(model, batch, rows, accelerator.num_processes == 1)
         out, ref, doc = accelerator.gather_for_metrics((logits.float(), labels, doc))
         outs.append(out.cpu())
         refs.append(ref.cpu())
@@ -352,28 +400,26 @@ def prediction_rows(
     (`text_pair`), `gold`, `prediction`, `probabilities` (per label; none for regression) and `loss`
     (the training loss of that text alone)."""
     losses = fp32_per_sample_loss(outputs.logits, outputs.labels, problem_type).tolist() if len(outputs.docs) else []
-    logits, labels = outputs.logits.double(), outputs.labels
+    probs, predicted = predictions(outputs.logits.numpy(), problem_type, thresholds)
+    labels = outputs.labels
     rows = []
     for i, doc in enumerate(outputs.docs.tolist()):
         row: dict[str, Any] = {"split": split, "id": doc, "text": texts[doc]}
         if pairs is not None:
             row["text_pair"] = pairs[doc]
-        if problem_type == REGRESSION:
-            row |= {"gold": float(labels[i]), "prediction": float(logits[i, 0]), "probabilities": None}
+        if probs is None:  # regression
+            row |= {"gold": float(labels[i]), "prediction": float(predicted[i]), "probabilities": None}
         elif problem_type == MULTI:
-            probs = torch.sigmoid(logits[i]).tolist()
-            cut = thresholds or [0.5] * len(label_names)
             row |= {
                 "gold": [n for n, y in zip(label_names, labels[i].tolist(), strict=True) if y >= 0.5],
-                "prediction": [n for n, q, t in zip(label_names, probs, cut, strict=True) if q >= t],
-                "probabilities": dict(zip(label_names, probs, strict=True)),
+                "prediction": [n for n, on in zip(label_names, predicted[i].tolist(), strict=True) if on],
+                "probabilities": dict(zip(label_names, probs[i].tolist(), strict=True)),
             }
         else:
-            probs = torch.softmax(logits[i], -1).tolist()
             row |= {
                 "gold": label_names[int(labels[i])],
-                "prediction": label_names[int(logits[i].argmax())],
-                "probabilities": dict(zip(label_names, probs, strict=True)),
+                "prediction": label_names[int(predicted[i])],
+                "probabilities": dict(zip(label_names, probs[i].tolist(), strict=True)),
             }
         rows.append(row | {"loss": losses[i]})
     return rows
@@ -410,6 +456,35 @@ def format_mistakes(rows: list[dict[str, Any]], width: int = 100) -> str:
             f"predicted={show(r['prediction'])}: {text}"
         )
     return "\n".join(lines)
+
+
+def read_predictions(run: Path, split: str | None = None) -> list[dict[str, Any]]:
+    """The rows of RUN/predictions.jsonl (of `split` only, when given).
+
+    Raises:
+        UserError: no predictions.jsonl, or none of `split`.
+    """
+    path = run / "predictions.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path} not found: a finished run with validation or test data writes it")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if split is None or r["split"] == split]
+    if not rows:
+        raise UserError(f"{path} has no {split} predictions")
+    return rows
+
+
+def mistakes_report(run: Path, n: int, split: str | None = None) -> str:
+    """`finetune report --errors N`: the `n` most confident mistakes of the run's predictions.jsonl, one per line.
+
+    Raises:
+        UserError: n < 1, no predictions.jsonl, or none of `split`.
+    """
+    if n < 1:
+        raise UserError(f"--errors needs a positive count, got {n}")
+    rows = read_predictions(run, split)
+    mistakes = confident_mistakes(rows, n)
+    return format_mistakes(mistakes) if mistakes else f"no mistakes among {len(rows)} predictions"
 
 
 def record_row(accelerator: Accelerator, metrics_file: Path, row: dict[str, Any]) -> None:

@@ -1,13 +1,12 @@
 """What a file is, when `finetune init` cannot read it: spreadsheets, archives, documents and binary
 formats, told by their first bytes and then by their extension, each with what to do instead.
 
-Kept apart from scaffold.py (which sniffs what it can read) because these are tables of facts about
+Kept apart from sniff.py (which sniffs what it can read) because these are tables of facts about
 other programs' formats, not decisions about a dataset.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import zipfile
 from pathlib import Path
@@ -124,23 +123,3 @@ def check_format(path: Path) -> str | None:
         what, todo = UNSUPPORTED[kind]
         raise UserError(f"{path.name} is {what} ({kind}), which finetune init cannot read: {todo}")
     return None
-
-
-def count_rows(path: Path, fmt: str, sampled: int) -> int:
-    """The rows of a train or validation file (init reads a sample of records; this counts them all)."""
-    try:
-        if fmt == "jsonl":
-            with path.open("rb") as f:
-                return sum(1 for line in f if line.strip())
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return int(pq.ParquetFile(path).metadata.num_rows)
-        if fmt == "json":
-            return len(json.loads(path.read_text(encoding="utf-8")))
-        if fmt in ("csv", "tsv"):
-            with path.open("rb") as f:
-                return max(0, sum(1 for line in f if line.strip()) - 1)  # a header line; quoted newlines overcount
-    except (OSError, ValueError):
-        pass
-    return sampled

@@ -26,7 +26,7 @@ from finetune.memory.planner import build_for_planning
 # The recipe per problem type: train.* keys, and the epochs by training rows (the first bound the row count is
 # below). Multi-label and regression anchored on configs/goemotions-minilm.yaml (43,410 rows: 2 epochs beat 1 by
 # 5 points of test macro-F1) and configs/stsb-minilm.yaml (5,749 rows: 3 epochs beat 2), both with
-# model.head_init=prior (docs/BENCHMARKS.md, scripts/bench_quality.py). Single-label's table is what init wrote
+# model.head_init=prior (docs/RESULTS.md, scripts/bench_quality.py). Single-label's table is what init wrote
 # before the adaptive recipe (`adaptive`), kept for `recipe`'s callers.
 RECIPES: dict[str, dict[str, Any]] = {
     SINGLE: {"learning_rate": 1e-4, "warmup_ratio": 0.06, "epochs": ((1_000, 10), (5_000, 5), (20_000, 3), (None, 2))},
@@ -38,7 +38,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 # the sentence-transformers fine-tuning rate, at most 3 epochs, and micro-batches of at most 4,096 tokens
 # (the planner: 4.8 GiB of tensors at 32 x 128 in fp32), accumulated back to an effective batch of 32; bf16
 # autocast where the machine has bf16 units (`bf16_units`): faster steps there, with MRPC and STS-B at their
-# goals (docs/BENCHMARKS.md, issue 42).
+# goals (docs/RESULTS.md).
 MODEL_RECIPES: dict[str, dict[str, Any]] = {
     "mpnet-base": {"learning_rate": 2e-5, "max_epochs": 3, "tokens": 4096, "bf16": True}
 }

@@ -3,22 +3,25 @@
 Delimiter, header, quoting, encoding, a folder per label, a text file per label; formats it cannot read
 (spreadsheets, archives, documents) are named, by their first bytes and by extension, with what to do
 instead. The text, optional pair and label columns (one label column, or one 0/1 column per label) and
-the problem type are chosen with the reason said, and the split files found. initconfig.py writes the
+the problem type are chosen with the reason said, and the split files found. write.py writes the
 config from it.
 """
 
 from __future__ import annotations
 
 import csv
+import io
+import itertools
 import json
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from finetune.config.tasks import MULTI, REGRESSION
 from finetune.core.errors import UserError
+from finetune.data.reading import FileOptions, count_rows, iter_rows, table_columns
 from finetune.init.formats import check_format
 
 LABEL_NAMES = ("label", "labels", "class", "category", "target", "y", "score", "quality", "sentiment", "intent")
@@ -58,7 +61,7 @@ COLUMN_NAMES = {
     "topic",
 }
 DELIMITERS = (",", ";", "|")  # how multi-label cells join their labels
-FLAGS = {"0", "1", "0.0", "1.0", "true", "false"}  # the values of a 0/1 column, as data.py reads them
+FLAGS = {"0", "1", "0.0", "1.0", "true", "false"}  # the values of a 0/1 column, as data/build.py reads them
 
 
 @dataclass
@@ -92,7 +95,8 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
     whole file is read (up to `limit` bytes) so that every label is seen.
 
     Raises:
-        UserError: no consistent table (ragged rows with every quoting), or an empty file.
+        UserError: no consistent table (ragged rows with every quoting), an empty file, or one that training's
+            reader cannot parse with the keys guessed.
     """
     raw = path.read_bytes()[:limit]
     encoding = _encoding(raw[: 1 << 20])
@@ -132,20 +136,18 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
     later = [set(r[i] for r in rows[1:2000] if len(r) > i) for i in range(len(first))]
     if header and any(not c.strip() or len(c) > 40 or c in later[i] for i, c in enumerate(first)):
         header = False
-    names = (
-        [c.strip().lstrip("\ufeff") or f"column{i}" for i, c in enumerate(first)]
-        if header
-        else [f"column{i}" for i in range(len(first))]
-    )
-    body = rows[1:] if header else rows
-    columns = {n: [r[i] for r in body] for i, n in enumerate(names)}
     settings: dict[str, Any] = {"format": "tsv" if delimiter == "\t" else "csv", "quoting": quoting, "header": header}
     if delimiter == "\t" and path.suffix.lower() != ".tsv":
         settings["delimiter"] = "\t"
     if encoding != "utf-8":
         settings["encoding"] = encoding
     if not header:
-        settings["column_names"] = names
+        settings["column_names"] = [f"column{i}" for i in range(len(first))]
+    # the columns as training will read them with these keys (odd bytes replaced, as in the guess above)
+    opts = replace(FileOptions.from_keys(settings), encoding_errors="replace")
+    # a file cut at the limit: as many rows as the guess saw
+    body = len(rows) - (1 if header else 0) if len(raw) == limit else None
+    columns = table_columns(path, settings["format"], opts, nrows=body)
     s = Sniffed(path, settings["format"], columns, settings)
     s.notes.append(f"read as {settings['format']}, quoting {quoting}, {'a' if header else 'no'} header, {encoding}")
     return s
@@ -160,26 +162,35 @@ def sniff_records(path: Path, fmt: str | None = None, limit: int = 64 << 20) -> 
         UserError: unreadable records, or records that are not objects.
     """
     suffix = f".{fmt}" if fmt else path.suffix.lower()
-    try:
-        if suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            records = pq.read_table(path).slice(0, limit // 256).to_pylist()
-        elif suffix == ".jsonl":
-            with path.open("rb") as f:
-                raw = f.read(limit)
-            if len(raw) == limit:
-                raw = raw[: raw.rfind(b"\n") + 1]  # a line cut at the limit
-            records = [json.loads(x) for x in raw.decode("utf-8").splitlines() if x.strip()]
-        else:
-            records = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError, TypeError) as exc:
-        raise UserError(f"cannot read {path}: {str(exc).splitlines()[0]}") from None
+    kind, opts = suffix.lstrip("."), FileOptions.from_keys({})
+    source: Path | io.StringIO = path
+    if kind == "jsonl":
+        with path.open("rb") as f:
+            raw = f.read(limit)
+        if len(raw) == limit:
+            raw = raw[: raw.rfind(b"\n") + 1]  # a line cut at the limit
+        try:
+            source = io.StringIO(raw.decode(opts.encoding))
+        except UnicodeDecodeError as exc:
+            raise UserError(f"cannot read {path}: {exc}") from None
+    rows = iter_rows(source, kind, opts, str(path))
+    records = list(itertools.islice(rows, limit // 256) if kind == "parquet" else rows)
     if not records or not all(isinstance(r, dict) for r in records):
         raise UserError(f"{path}: expected records (objects with named fields), one per text")
     names = list(records[0])
     columns = {n: [r.get(n) if isinstance(r.get(n), list) else str(r.get(n, "")) for r in records] for n in names}
     return Sniffed(path, suffix.lstrip("."), columns, {"format": suffix.lstrip(".")}, [f"read as {suffix} records"])
+
+
+def split_rows(path: Path, s: Sniffed, sampled: int) -> int:
+    """The rows of a train or validation file, counted as training will read it with the sniffed keys (init
+    reads a sample); `sampled` when the file cannot be read whole."""
+    if s.format not in ("csv", "tsv", "jsonl", "json", "parquet"):
+        return sampled
+    try:
+        return count_rows(path, s.format, replace(FileOptions.from_keys(s.settings), encoding_errors="replace"))
+    except UserError:
+        return sampled
 
 
 def _mean_len(values: list[Any]) -> float:
@@ -203,7 +214,7 @@ def _json_list(text: str) -> bool:
 
 def _delimiter(values: list[Any]) -> str | None:
     """How a label column joins several labels per cell: "list" (list values or JSON lists, which
-    data.py reads as they are), one of DELIMITERS, or None (one label per cell)."""
+    data/build.py reads as they are), one of DELIMITERS, or None (one label per cell)."""
     if any(isinstance(v, list) for v in values):
         return "list"
     texts = [str(v).strip() for v in values]
@@ -225,7 +236,7 @@ def _label_parts(values: list[Any], delimiter: str | None = None) -> set[str]:
 
 
 def _flag_columns(cols: dict[str, list[Any]]) -> list[str]:
-    """Columns holding only 0/1 (or true/false), not 1 in every row (nothing to learn, and data.py refuses
+    """Columns holding only 0/1 (or true/false), not 1 in every row (nothing to learn, and data/build.py refuses
     it): one column per label, when there are several."""
     found: list[str] = []
     for c, v in cols.items():

@@ -1,4 +1,4 @@
-"""`finetune init DATA`'s config: from what scaffold.py sniffed to a commented config that trains with no edits.
+"""`finetune init DATA`'s config: from what sniff.py sniffed to a commented config that trains with no edits.
 
 max_length from the texts' (or pairs') token lengths within the model's position limit, the data's shape
 for `recipe.py` (rows, rows per class, pair, validation rows, the model's size), a training step timed here,
@@ -21,7 +21,6 @@ from finetune.config.files import load_config, validate_config
 from finetune.config.schema import TrainConfig
 from finetune.config.tasks import SINGLE
 from finetune.core.errors import UserError
-from finetune.init.formats import count_rows
 from finetune.init.recipe import (
     ENCODERS,
     KINDS,
@@ -36,7 +35,7 @@ from finetune.init.recipe import (
     step_seconds,
     train_keys,
 )
-from finetune.init.sniff import Sniffed, sniff_data
+from finetune.init.sniff import Sniffed, sniff_data, split_rows
 from finetune.memory.peak import GiB, margin_bytes
 from finetune.memory.planner import default_device, predict_peak
 from finetune.model.load import build_tokenizer, model_config, row_limit
@@ -115,13 +114,13 @@ def _class_rows(s: Sniffed, data: dict[str, Any], rows: int) -> dict[str, int]:
 def _shape(s: Sniffed, data: dict[str, Any], splits: dict[str, Path], model: str, batch: int) -> Shape:
     """The data's shape as the recipe sees it: rows, rows a class, pair, validation rows, the model's size."""
     sampled = len(next(iter(s.columns.values())))
-    rows = count_rows(splits["train"], s.format, sampled) if "train" in splits else sampled
+    rows = split_rows(splits["train"], s, sampled) if "train" in splits else sampled
     validation = splits.get("validation")
     return Shape(
         rows=rows,
         class_rows=_class_rows(s, data, rows),
         pair="text_pair_column" in data,
-        validation=count_rows(validation, validation.suffix.lstrip(".").lower(), 1) if validation else 0,
+        validation=split_rows(validation, s, 1) if validation else 0,
         batch=batch,
         model=model,
     )

@@ -125,7 +125,7 @@ def lean_heap(active: bool) -> Iterator[None]:
     largest block freed), and the heaviest window's temporaries of many sizes, freed and reallocated
     while its saved activations stay live, leave free chunks resident above the tensors in use.
     Pinned, each large block is its own mapping and returns to the system when freed, at the price of
-    page faults in that one window (docs/MEMORY.md, issue 45). Nothing happens when not `active` or
+    page faults in that one window (docs/MEMORY.md). Nothing happens when not `active` or
     outside glibc.
     """
     libc = _glibc() if active else None

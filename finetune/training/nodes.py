@@ -3,7 +3,7 @@
 Several machines (`accelerate launch --num_machines M --machine_rank R ...`) train one run; the main
 process writes the run directory, every rank reads it (checkpoints on resume). So all nodes must see the
 same directory: `check_shared_storage` proves it before any step. When a node is lost, the survivors end
-with the one line of `node_loss_line` (runtime.py notices the loss).
+with the one line of `node_loss_line` (ranks.py notices the loss).
 """
 
 from __future__ import annotations
