@@ -20,7 +20,6 @@ appends one JSON line per run to FILE, and `--encoders FILE` prints MiniLM and M
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 from bench_imbalance import run
-from benchlib import ROOT
+from benchlib import ROOT, record_fields
 from sklearn.metrics import f1_score
 
 from finetune.core.fileio import read_jsonl  # importable once benchlib has put the repository on sys.path
@@ -55,6 +54,19 @@ TASKS = {
     "agnews-mpnet": ("configs/agnews-mpnet.yaml", "test.accuracy", None, AG_ANCHOR),
 }
 EXTRA = {"stsb": ["train.eval_every_steps=60"]}  # the Pearson after 60 steps
+# how docs/RESULTS.md names each task's row
+WHAT = {
+    "demo": "`configs/sst2-minilm.yaml`: the demo, 16,000 SST-2 rows, MiniLM",
+    "mrpc": "`configs/mrpc-minilm.yaml`: MRPC, MiniLM",
+    "stsb": "`configs/stsb-minilm.yaml`: STS-B, MiniLM",
+    "trec": "`configs/trec-minilm.yaml`: TREC-6, MiniLM",
+    "agnews": "`configs/agnews-minilm.yaml`: AG News, 8,000 rows, MiniLM",
+    "sst2-mpnet": "`configs/sst2-mpnet.yaml`: the demo's rows, MPNet",
+    "mrpc-mpnet": "`configs/mrpc-mpnet.yaml`: MRPC, MPNet",
+    "stsb-mpnet": "`configs/stsb-mpnet.yaml`: STS-B, MPNet",
+    "trec-mpnet": "`configs/trec-mpnet.yaml`: TREC-6, MPNet",
+    "agnews-mpnet": "`configs/agnews-mpnet.yaml`: AG News, 8,000 rows, MPNet",
+}
 
 
 def keep_evals(config: str) -> list[str]:
@@ -118,7 +130,9 @@ def bench(
             out.write_text(json.dumps({"settings": settings, "results": results}, indent=2))
             if record is not None:
                 line = {"task": task, "seed": seed, "metric": key, "value": value, "ci": ci, "wall_s": round(wall, 1)}
-                line |= {"settings": settings, "date": datetime.date.today().isoformat(), "source": "bench_quality.py"}
+                line |= {"settings": settings, "source": "bench_quality.py"}
+                what = WHAT.get(task, f"`{config}`") + (f" ({' '.join(settings)})" if settings else "")
+                line |= record_fields("accuracy", what, key, value, ci, [seed])
                 with record.open("a") as f:
                     f.write(json.dumps(line) + "\n")
     return results

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_imbalance import run  # the real train.py with overrides, evaluation only at the end
-from benchlib import ROOT, train_run
+from benchlib import ROOT, record_fields, train_run
 
 VARIANTS = {
     "shipped (lr 1e-4)": [],
@@ -62,6 +62,16 @@ VARIANTS = {
 DATA = Path(os.environ.get("FINETUNE_DATA_DIR", ROOT.parent / "shared" / "data"))
 TODAY_COMMIT = "c4f1520"  # the baseline: finetune init's table recipe there (epochs by rows, lr 1e-4)
 ROWS = ("trec50", "ag2k", "ag8k", "sms", "bbc", "mrpc", "sst2-4k")
+# how docs/RESULTS.md names each row and column
+ROW_NAMES = {
+    "trec50": "TREC, 50 fine labels",
+    "ag2k": "AG News, 2,000 rows",
+    "ag8k": "AG News, 8,000 rows",
+    "sms": "SMS Spam",
+    "bbc": "BBC News",
+    "mrpc": "MRPC (test)",
+    "sst2-4k": "SST-2, 4,000 rows",
+}
 COLUMNS = ("today", "new0", "new", "hand", "mpnet")  # mpnet: this tree's init with --model mpnet-base
 # new0: records of the new init without checkpoint.best_within_se (final/ the strictly best validation
 # accuracy); kept in the record and the table, not runnable from this tree
@@ -209,6 +219,9 @@ def cell(row: str, column: str, seed: int, work: Path, results: Path) -> dict[st
         "overrides": extra,
         "notes": notes,
     }
+    names = {"today": f"init as of {TODAY_COMMIT}", "new": "finetune init", "mpnet": "finetune init --model mpnet-base"}
+    what = f"{ROW_NAMES[row]}: " + names.get(column, f"hand ({' '.join(extra)})")
+    out |= record_fields("init", what, "test.accuracy", out["accuracy"], out["accuracy_ci"], [seed])
     with results.open("a") as f:
         f.write(json.dumps(out) + "\n")
     print(f"{row} {column} seed {seed}: test accuracy {out['accuracy']:.4f} {out['accuracy_ci']} {r.wall_s:.0f} s")
@@ -282,6 +295,12 @@ def trajectory(row: str, seed: int, work: Path, results: Path) -> dict[str, Any]
     points = checkpoint_test_accuracy(r.run_dir, folder)
     chosen = {rule: p["step"] for rule, p in picks(points, patience).items()}
     out = {"row": row, "seed": seed, "patience": patience, "points": points, "picks": chosen, "wall_s": r.wall_s}
+    what = (
+        f"{ROW_NAMES[row]}: finetune init's config to its epochs bound, every checkpoint scored on test "
+        "(the one the one-standard-error rule takes)"
+    )
+    taken = next(p["test_accuracy"] for p in points if p["step"] == chosen["within 1 SE of the best"])
+    out |= record_fields("init", what, "test.accuracy", taken, None, [seed])
     with results.open("a") as f:
         f.write(json.dumps(out) + "\n")
     test = {p["step"]: p["test_accuracy"] for p in points}

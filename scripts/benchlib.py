@@ -9,8 +9,10 @@ imports it.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -29,6 +31,27 @@ from finetune.config.schema import Config  # noqa: E402
 from finetune.core.fileio import read_jsonl  # noqa: E402
 from finetune.memory.peak import Measurement, autocast_context, measure_window, train_window  # noqa: E402
 from finetune.memory.planner import build_for_planning  # noqa: E402
+
+
+def record_fields(area: str, what: str, metric: str, value: float, interval: Any, seeds: list[int]) -> dict[str, Any]:
+    """The fields every record of docs/results/*.jsonl carries (scripts/results_page.py's REQUIRED): what was
+    measured, on which hardware, when, at which commit, and the command line that reproduces it."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()}-core CPU"
+    script = Path(sys.argv[0]).resolve()
+    where = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    return {
+        "area": area,
+        "what": what,
+        "metric": metric,
+        "value": value,
+        "interval": interval,
+        "seeds": seeds,
+        "hardware": hardware,
+        "date": datetime.date.today().isoformat(),
+        "commit": commit.stdout.strip() or "unknown",
+        "command": shlex.join([".venv/bin/python", str(where), *sys.argv[1:]]),
+    }
 
 
 @dataclass
