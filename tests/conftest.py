@@ -5,7 +5,9 @@ The only allowed skip in the suite is a missing data directory (`data_dir` fixtu
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 # Before anything imports huggingface_hub / transformers: no network, no tokenizer thread pools.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -16,6 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -59,6 +62,20 @@ def require_data() -> Path:
 def data_dir() -> Path:
     """The real data directory (env FINETUNE_DATA_DIR, default <repo>/../shared/data): `require_data`."""
     return require_data()
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module, registered in sys.modules first (a script's dataclasses look their module up)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import load_script as conftest_load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,14 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def load_script() -> ModuleType:
     """scripts/gpu_check.py as a module (registered first: its dataclasses look their module up)."""
-    if "gpu_check" in sys.modules:
-        return sys.modules["gpu_check"]
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
+    return conftest_load_script("gpu_check")
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from conftest import load_script as conftest_load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script() -> ModuleType:
     """scripts/results_page.py as a module (no training, no torch: a few milliseconds)."""
-    if "results_page" in sys.modules:
-        return sys.modules["results_page"]
-    spec = importlib.util.spec_from_file_location("results_page", ROOT / "scripts" / "results_page.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["results_page"] = module
-    spec.loader.exec_module(module)
-    return module
+    return conftest_load_script("results_page")
 
 
 def test_every_record_has_the_required_fields() -> None:
