@@ -60,65 +60,14 @@ def _cmd_plan(argv: list[str]) -> int:
         "--lengths", type=int, nargs="+", default=None, help="--grid: tokens per row (default data.max_length and 512)"
     )
     args = parser.parse_args(argv)
+    from finetune.config.files import load_config
+    from finetune.memory.planner import grid_command, plan_command
+
+    cfg = load_config(args.config, args.overrides)
     if args.grid:
-        return _plan_grid(args)
-    from finetune.config.files import load_config
-    from finetune.data.window import effective_batch, resolve_batch
-    from finetune.memory.planner import format_plan, plan, plan_json
-
-    cfg = load_config(args.config, args.overrides)
-    if args.budget_gb is not None and args.budget_gb <= 0:
-        raise UserError("--budget-gb must be positive")
-    if args.num_processes < 1:
-        raise UserError("--num-processes must be at least 1")
-    if cfg.train.micro_batch_size == "auto" or cfg.train.batch_size is not None:
-        resolve_batch(cfg, args.num_processes)  # batch_size, micro-batch and accumulation must agree
-    per_process = effective_batch(cfg, args.num_processes) // args.num_processes
-    bad = [m for m in args.micro or [] if m < 1 or per_process % m]
-    if bad:
-        raise UserError(
-            f"--micro {bad}: a micro-batch must divide the {per_process} samples per process of the effective batch"
-        )
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()  # the model is built once per ladder row
-    p = plan(
-        cfg, args.device, args.budget_gb, args.micro, args.num_processes, shards=args.num_processes if args.fsdp else 1
-    )
-    print(plan_json(p) if args.json else format_plan(p, cfg))
-    return 0
-
-
-def _plan_grid(args: argparse.Namespace) -> int:
-    import transformers
-
-    from finetune.config.files import load_config
-    from finetune.memory.planner import (
-        default_device,
-        extrapolation_note,
-        format_grid,
-        label_names_cheaply,
-        plan_grid,
-        planning_tokenizer,
-    )
-    from finetune.model.precision import refuse_adamw8bit_off_cuda
-
-    cfg = load_config(args.config, args.overrides)
-    bad = [x for x in [*(args.micro or []), *(args.lengths or [])] if x < 1]
-    if bad:
-        raise UserError(f"--micro and --lengths must be positive: {bad}")
-    transformers.utils.logging.disable_progress_bar()
-    device = args.device or default_device()
-    # before the tokenizer loads; the grid's settings change the precision mode, never the optimizer
-    refuse_adamw8bit_off_cuda(cfg.train.optimizer, device, planning=True)
-    tokenizer, note = planning_tokenizer(cfg)
-    names = label_names_cheaply(cfg)
-    lengths = args.lengths or sorted({cfg.data.max_length, 512})
-    cells = plan_grid(cfg, device, args.micro or [1, 4, 16], lengths, tokenizer, names)
-    if args.json:
-        print(json.dumps([vars(c) for c in cells], indent=2))
-    else:
-        print(format_grid(cells, cfg, device, extrapolation_note(cfg) + ([note] if note else [])))
+        print(grid_command(cfg, args.device, args.micro, args.lengths, args.json))
+        return 0
+    print(plan_command(cfg, args.device, args.budget_gb, args.micro, args.num_processes, args.fsdp, args.json))
     return 0
 
 

@@ -597,3 +597,63 @@ def format_grid(cells: list[GridCell], cfg: Config, device: str, notes: list[str
     ]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
+
+
+def plan_command(
+    cfg: Config,
+    device: str | None,
+    budget_gb: float | None,
+    micro: list[int] | None,
+    processes: int,
+    fsdp: bool,
+    as_json: bool,
+) -> str:
+    """`finetune plan`: the ladder's plan as a table (or JSON), after the arguments are checked against the config.
+
+    Raises:
+        UserError: a non-positive budget or process count, a micro-batch that does not divide the per-process
+            batch, or a batch layout that does not agree.
+    """
+    if budget_gb is not None and budget_gb <= 0:
+        raise UserError("--budget-gb must be positive")
+    if processes < 1:
+        raise UserError("--num-processes must be at least 1")
+    if cfg.train.micro_batch_size == "auto" or cfg.train.batch_size is not None:
+        resolve_batch(cfg, processes)  # batch_size, micro-batch and accumulation must agree
+    per_process = effective_batch(cfg, processes) // processes
+    bad = [m for m in micro or [] if m < 1 or per_process % m]
+    if bad:
+        raise UserError(
+            f"--micro {bad}: a micro-batch must divide the {per_process} samples per process of the effective batch"
+        )
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # the model is built once per ladder row
+    p = plan(cfg, device, budget_gb, micro, processes, shards=processes if fsdp else 1)
+    return plan_json(p) if as_json else format_plan(p, cfg)
+
+
+def grid_command(
+    cfg: Config, device: str | None, micro: list[int] | None, lengths: list[int] | None, as_json: bool
+) -> str:
+    """`finetune plan --grid`: fp32 / bf16 / bf16-true / LoRA / QLoRA at each micro-batch and length, as a table (or
+    JSON).
+
+    Raises:
+        UserError: a non-positive micro-batch or length, or 8-bit Adam planned off CUDA.
+    """
+    bad = [x for x in [*(micro or []), *(lengths or [])] if x < 1]
+    if bad:
+        raise UserError(f"--micro and --lengths must be positive: {bad}")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    device = device or default_device()
+    # before the tokenizer loads; the grid's settings change the precision mode, never the optimizer
+    refuse_adamw8bit_off_cuda(cfg.train.optimizer, device, planning=True)
+    tokenizer, note = planning_tokenizer(cfg)
+    names = label_names_cheaply(cfg)
+    cells = plan_grid(cfg, device, micro or [1, 4, 16], lengths or sorted({cfg.data.max_length, 512}), tokenizer, names)
+    if as_json:
+        return json.dumps([vars(c) for c in cells], indent=2)
+    return format_grid(cells, cfg, device, extrapolation_note(cfg) + ([note] if note else []))
