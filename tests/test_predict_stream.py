@@ -285,3 +285,100 @@ def test_prediction_reads_the_input_with_the_runs_keys(tiny_run: Path, tmp_path:
     tsv.write_text('text\n"quoted" tsv text\n')
     assert cli_main(_argv(final, tsv, out2)) == 0
     assert [r["text"] for r in _read(out2)] == ['"quoted" tsv text']
+
+
+# ----------------------------------------------------------------------------------------------
+# Output row i is input row i: a row with no text gets an empty row in its place.
+
+BLANK_MIDDLE = {
+    ".txt": ("a fine film\n\nthe slow middle act drags\n\n", ["a fine film", "", "the slow middle act drags"]),
+    ".csv": ("text\na fine film\n\nthe slow middle act drags\n", ["a fine film", "", "the slow middle act drags"]),
+    ".jsonl": (
+        '{"text": "a fine film"}\n{"text": "  "}\n{"text": "the slow middle act drags"}\n',
+        ["a fine film", "  ", "the slow middle act drags"],
+    ),
+}
+
+
+@pytest.mark.parametrize("src,dst", [(".txt", ".jsonl"), (".csv", ".csv"), (".jsonl", ".parquet")])
+def test_a_blank_row_keeps_its_place(tiny_run: Path, tmp_path: Path, src: str, dst: str) -> None:
+    content, texts = BLANK_MIDDLE[src]  # the .txt's blank last line ends the file: no row
+    inp, out = tmp_path / f"in{src}", tmp_path / f"out{dst}"
+    inp.write_text(content)
+    assert cli_main(_argv(tiny_run / "final", inp, out, "--chunk-size", "2")) == 0
+    rows = _read(out)
+    assert [r["text"] for r in rows] == texts
+    empty = None if dst != ".csv" else ""  # null in .jsonl and .parquet, empty cells in .csv
+    assert rows[1]["label"] == rows[1]["score"] == empty
+    assert all(v == empty for k, v in rows[1].items() if k.startswith("prob"))
+    assert rows[0]["label"] in ("negative", "positive") and rows[2]["label"] in ("negative", "positive")
+
+
+def test_a_resumed_run_keeps_blank_rows_in_place(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    final, inp, out = tiny_run / "final", tmp_path / "in.txt", tmp_path / "out.jsonl"
+    lines = ["one fine film", "", "two dull acts", "", "three"]
+    inp.write_text("\n".join(lines) + "\n")
+    real, calls = predict.predict_texts, []
+
+    def stop_at_second_call(*args: object, **kwargs: object) -> list[dict]:
+        calls.append(args[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predict, "predict_texts", stop_at_second_call)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(_argv(final, inp, out, "--chunk-size", "2"))
+    assert calls == [["one fine film"], ["two dull acts"]]  # blank rows never reach the model
+    monkeypatch.setattr(predict, "predict_texts", real)
+    assert cli_main(_argv(final, inp, out, "--chunk-size", "2")) == 0
+    rows = _read(out)
+    assert [r["text"] for r in rows] == lines
+    assert [r["label"] is None for r in rows] == [False, True, False, True, False]
+
+
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("onnx_damaged", "ONNX Runtime cannot load"),
+        ("output_below_a_file", "is not a folder"),
+        ("output_under_proc", "cannot write in /proc"),
+        ("nul_bytes", "a NUL byte on line 2"),
+        ("undecodable", "byte 0xff on line 3 is not UTF-8"),
+    ],
+)
+def test_what_cannot_be_read_or_written_is_one_line(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, needle: str
+) -> None:
+    """Before, an onnxruntime or OSError traceback (exit 1), or a binary file's bytes predicted as text. The
+    output and input are refused before the model loads: their cases name a model that is not there."""
+    import shutil
+
+    model, inp, out, extra = tmp_path / "no-model", tmp_path / "in.txt", tmp_path / "out.jsonl", []
+    inp.write_text("hello\nworld\n")
+    if case == "onnx_damaged":
+        model = tmp_path / "onnx"
+        model.mkdir()
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_run / "final" / name, model / name)
+        (model / "model.onnx").write_bytes(b"\x08\x07not a protobuf")
+        extra = ["--backend", "onnx"]
+    elif case == "output_below_a_file":
+        out = inp / "preds" / "out.jsonl"
+    elif case == "output_under_proc":
+        out = Path("/proc/no-such-folder/out.jsonl")
+    elif case == "nul_bytes":
+        inp.write_bytes(b"hello\n\x00\x01\x02binary\n")
+    else:
+        inp = tmp_path / "in.csv"
+        inp.write_bytes(b"text\nhello\ncaf\xff\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    capsys.readouterr()
+    assert cli_main(_argv(model, inp, out, *extra)) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    if case in ("nul_bytes", "undecodable"):
+        assert str(inp) in err[0]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == before

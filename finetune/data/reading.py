@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import itertools
 import json
 import logging
 import math
@@ -181,11 +182,15 @@ def _parse_errors(what: str) -> Iterator[None]:
         raise UserError(f"cannot read {what}: {type(exc).__name__}: {first}") from None
 
 
-def _frames(source: Path | io.StringIO, fmt: str, opts: FileOptions, nrows: int | None = None) -> Iterator[Any]:
+def _frames(
+    source: Path | io.StringIO, fmt: str, opts: FileOptions, nrows: int | None = None, keep_blank: bool = False
+) -> Iterator[Any]:
     """A csv/tsv file's rows in DataFrames of `_ROWS_PER_READ`, every cell as text: per chunk, a column of
-    numbers would otherwise turn "007" into 7 in one chunk and not in the next."""
+    numbers would otherwise turn "007" into 7 in one chunk and not in the next. A blank line is no row, or
+    with `keep_blank` a row of missing cells."""
+    kwargs = csv_options(fmt, opts) | {"skip_blank_lines": not keep_blank}
     try:
-        reader = pd.read_csv(source, chunksize=_ROWS_PER_READ, nrows=nrows, dtype=str, **csv_options(fmt, opts))
+        reader = pd.read_csv(source, chunksize=_ROWS_PER_READ, nrows=nrows, dtype=str, **kwargs)
     except pd.errors.EmptyDataError:  # not even a header
         return
     with reader:
@@ -199,10 +204,16 @@ def _open_text(source: Path | io.StringIO, opts: FileOptions) -> Any:
     return contextlib.nullcontext(source)
 
 
-def iter_rows(source: Path | io.StringIO, fmt: str, opts: FileOptions, what: str | None = None) -> Iterator[Any]:
+def iter_rows(
+    source: Path | io.StringIO, fmt: str, opts: FileOptions, what: str | None = None, keep_blank: bool = False
+) -> Iterator[Any]:
     """A file's rows one at a time, streamed (a .json list is read whole): dicts for csv/tsv (every cell as
-    text, "" when empty), parquet and json(l) records; strings for a text file's lines (a blank line is no
-    row) and json(l) strings. `source` is a path, or for csv/tsv/jsonl/text the file's text already read.
+    text, "" when empty), parquet and json(l) records; strings for a text file's lines and json(l) strings.
+    `source` is a path, or for csv/tsv/jsonl/text the file's text already read.
+
+    A blank (or whitespace-only) line of a text, jsonl, csv or tsv file is no row; with `keep_blank` (prediction:
+    output row i is input row i) it is one ("" for a text file, None for jsonl, empty cells for csv/tsv),
+    except blank lines after the file's last other line, which nothing follows to keep in line.
 
     Raises:
         UserError: the file cannot be decoded or parsed as `fmt`, or a .json file is not a list; `what`
@@ -211,9 +222,7 @@ def iter_rows(source: Path | io.StringIO, fmt: str, opts: FileOptions, what: str
     what = what or str(source)
     with _parse_errors(what):
         if fmt in ("csv", "tsv"):
-            for frame in _frames(source, fmt, opts):
-                names, cells = [str(c) for c in frame.columns], [frame[c].fillna("").tolist() for c in frame.columns]
-                yield from (dict(zip(names, row, strict=True)) for row in zip(*cells, strict=True))
+            yield from _table_rows(source, fmt, opts, keep_blank)
         elif fmt == "parquet":
             import pyarrow.parquet as pq
 
@@ -226,18 +235,42 @@ def iter_rows(source: Path | io.StringIO, fmt: str, opts: FileOptions, what: str
                 raise UserError(f"{what}: a .json file must be a list of texts or of records")
             yield from records
         else:
-            with _open_text(source, opts) as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    if fmt != "jsonl":
-                        yield line.rstrip("\n")
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise UserError(f"cannot read {what}: line {number} is not JSON ({exc})") from None
-                    yield row
+            yield from _line_rows(source, fmt, opts, what, keep_blank)
+
+
+def _table_rows(source: Path | io.StringIO, fmt: str, opts: FileOptions, keep_blank: bool) -> Iterator[dict]:
+    """`iter_rows` of a csv/tsv file."""
+    blank_before = 0  # blank lines held back until a row with a cell follows them
+    for frame in _frames(source, fmt, opts, keep_blank=keep_blank):
+        names, cells = [str(c) for c in frame.columns], [frame[c].fillna("").tolist() for c in frame.columns]
+        blank = frame.isna().all(axis=1).tolist() if keep_blank else [False] * len(frame)
+        for row, is_blank in zip(zip(*cells, strict=True), blank, strict=True):
+            if is_blank:
+                blank_before += 1
+                continue
+            yield from (dict.fromkeys(names, "") for _ in range(blank_before))
+            blank_before = 0
+            yield dict(zip(names, row, strict=True))
+
+
+def _line_rows(source: Path | io.StringIO, fmt: str, opts: FileOptions, what: str, keep_blank: bool) -> Iterator[Any]:
+    """`iter_rows` of a text or jsonl file."""
+    blank_before = 0  # blank lines held back until a line with text follows them
+    with _open_text(source, opts) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                blank_before += keep_blank
+                continue
+            yield from itertools.repeat(None if fmt == "jsonl" else "", blank_before)
+            blank_before = 0
+            if fmt != "jsonl":
+                yield line.rstrip("\n")
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"cannot read {what}: line {number} is not JSON ({exc})") from None
+            yield row
 
 
 def table_columns(path: Path, fmt: str, opts: FileOptions, nrows: int | None = None) -> dict[str, list[str]]:
@@ -255,9 +288,9 @@ def table_columns(path: Path, fmt: str, opts: FileOptions, nrows: int | None = N
     return columns
 
 
-def count_rows(path: Path, fmt: str, opts: FileOptions, what: str | None = None) -> int:
-    """How many rows `iter_rows` gives: parquet's metadata, a csv/tsv file's parsed rows (a quoted field may
-    hold line breaks), else one pass over the rows.
+def count_rows(path: Path, fmt: str, opts: FileOptions, what: str | None = None, keep_blank: bool = False) -> int:
+    """How many rows `iter_rows` gives (with `keep_blank` alike): parquet's metadata, a csv/tsv file's parsed
+    rows (a quoted field may hold line breaks), else one pass over the rows.
 
     Raises:
         UserError: as `iter_rows`.
@@ -267,9 +300,9 @@ def count_rows(path: Path, fmt: str, opts: FileOptions, what: str | None = None)
             import pyarrow.parquet as pq
 
             return int(pq.ParquetFile(path).metadata.num_rows)
-        if fmt in ("csv", "tsv"):
+        if fmt in ("csv", "tsv") and not keep_blank:  # kept blank rows: iter_rows alone says which count
             return sum(len(frame) for frame in _frames(path, fmt, opts))
-    return sum(1 for _ in iter_rows(path, fmt, opts, what))
+    return sum(1 for _ in iter_rows(path, fmt, opts, what, keep_blank))
 
 
 def _file_format(cfg: Config, path: Path) -> str:

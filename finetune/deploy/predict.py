@@ -10,6 +10,12 @@ crash, an error in row 40,000) leaves its parts: the same command again continue
 (the state file records the input's size and time, the model and the options, and a rerun whose
 input or options changed says which and stops).
 
+Output row i is input row i: a row with no text (a blank line, an empty cell, a null; `is_blank`) is not
+given to the model but gets an empty row in its place (`empty_row`: label, score and probabilities null),
+and blank lines that end a file are no rows (`iter_rows`' `keep_blank`). Before the model loads, an input
+that is not text (`check_text`) and an output folder that cannot be written (`check_output`) are refused;
+a model.onnx that ONNX Runtime cannot load is refused when it loads, before any output is written.
+
 The model is final/ (PyTorch) or an ONNX export (`finetune export --onnx`, fp32 or int8) run by ONNX
 Runtime: both give fp32 logits per text (long texts windowed and aggregated as in training,
 `model_logits`) read by the problem type (`predict_texts`). Used by `finetune predict` and `evaluate`.
@@ -17,11 +23,14 @@ Runtime: both give fp32 logits per text (long texts windowed and aggregated as i
 
 from __future__ import annotations
 
+import codecs
 import csv
 import itertools
 import json
+import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,7 +42,7 @@ import numpy as np
 import torch
 
 from finetune.config.files import load_config
-from finetune.config.tasks import MULTI, SINGLE
+from finetune.config.tasks import MULTI, REGRESSION, SINGLE
 from finetune.core.errors import UserError
 from finetune.data.build import Windowing, encode_texts
 from finetune.data.reading import EXTENSION_FORMATS, FileOptions, count_rows, iter_rows, load_raw_splits
@@ -46,6 +55,7 @@ INPUTS = tuple(EXTENSION_FORMATS)
 OUTPUTS = (".jsonl", ".csv", ".parquet")
 BACKENDS = ("pytorch", "onnx")
 ONNX_FILE = "model.onnx"
+_TEXT_BLOCK = 1 << 20  # bytes decoded at a time when an input is checked to be text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,13 +91,13 @@ def input_options(path: Path, model: Path) -> FileOptions:
 
 
 def _chunks(path: Path, chunk_size: int, options: FileOptions) -> Iterator[list[Any]]:
-    """The input's rows (`iter_rows`: dicts, or strings for .txt lines and .jsonl/.json strings) in lists of
-    `chunk_size` (the last may be shorter).
+    """The input's rows (`iter_rows`: dicts, or strings for .txt lines and .jsonl/.json strings; blank lines
+    kept) in lists of `chunk_size` (the last may be shorter).
 
     Raises:
         UserError: the input cannot be decoded or parsed.
     """
-    rows = iter_rows(path, input_format(path), options, f"--input {path}")
+    rows = iter_rows(path, input_format(path), options, f"--input {path}", keep_blank=True)
     while chunk := list(itertools.islice(rows, chunk_size)):
         yield chunk
 
@@ -118,19 +128,56 @@ class Columns:
         return cls(text_column, pair_column or ("text_pair" if "text_pair" in columns else None))
 
     def texts(self, rows: list[Any], path: Path, start: int) -> tuple[list[str], list[str] | None]:
-        """The texts (and pairs) of `rows`, which start at row `start` of the input.
+        """The texts (and pairs) of `rows`, which start at row `start` of the input; "" for a null (a blank
+        .jsonl line, a null in a .json or .parquet).
 
         Raises:
             UserError: a row without a named column.
         """
         if self.text is None:
-            return [str(r) for r in rows], None
+            return ["" if r is None else str(r) for r in rows], None
         for i, r in enumerate(rows):
             for col in (self.text, self.pair):
-                if col is not None and (not isinstance(r, dict) or col not in r):
+                if r is not None and col is not None and (not isinstance(r, dict) or col not in r):
                     raise UserError(f"--input {path}: row {start + i + 1} has no column {col!r}")
-        texts = [str(r[self.text]) for r in rows]
-        return texts, [str(r[self.pair]) for r in rows] if self.pair else None
+        texts = [_cell(r, self.text) for r in rows]
+        return texts, [_cell(r, self.pair) for r in rows] if self.pair else None
+
+
+def _cell(row: dict[str, Any] | None, column: str) -> str:
+    return "" if row is None or row[column] is None else str(row[column])
+
+
+def is_blank(text: str, pair: str | None = None) -> bool:
+    """Whether a row has no text for the model: its text (and pair) empty or whitespace only."""
+    return not text.strip() and not (pair or "").strip()
+
+
+def input_columns(job: Job, options: FileOptions, first: list[Any] | None) -> Columns:
+    """The columns of `job.input`, whose first chunk is `first`: those of its first row that is not a blank
+    line (`Columns.of`), checked on the first chunk before the model loads.
+
+    Raises:
+        UserError: an input without a text (no rows, or blank ones only), or `Columns`' refusals.
+    """
+    if first is None:
+        raise UserError(f"--input {job.input} has no texts")
+
+    def later() -> Iterator[list[Any]]:  # read again only where the first chunk does not decide
+        return itertools.islice(_chunks(job.input, job.chunk_size, options), 1, None)
+
+    sample = next((r for r in itertools.chain(first, itertools.chain.from_iterable(later())) if r is not None), None)
+    if sample is None:
+        raise UserError(f"--input {job.input} has no texts")
+    columns = Columns.of(sample, job.input, job.text_column, job.pair_column)
+
+    def has_text(index: int, rows: list[Any]) -> bool:
+        texts, pairs = columns.texts(rows, job.input, index * job.chunk_size)
+        return not all(is_blank(t, p) for t, p in zip(texts, pairs or [None] * len(texts), strict=True))
+
+    if not any(has_text(i, rows) for i, rows in enumerate(itertools.chain([first], later()))):
+        raise UserError(f"--input {job.input} has no texts (blank rows only)")
+    return columns
 
 
 def check_input(path: Path) -> None:
@@ -142,6 +189,46 @@ def check_input(path: Path) -> None:
     input_format(path)
 
 
+def check_text(path: Path, options: FileOptions) -> None:
+    """Refuse an input of a text format (all but .parquet) that is not text, naming the file and the line,
+    before the model loads: a NUL character (a binary file given as .txt or .csv), or bytes its encoding
+    (`options`: the run's data.encoding, else UTF-8) cannot decode where its data.encoding_errors is strict.
+    One pass over the file's bytes, a block at a time.
+
+    Raises:
+        UserError: the input holds a NUL character or bytes its encoding cannot decode.
+    """
+    if input_format(path) == "parquet":
+        return
+    try:
+        decoder = codecs.getincrementaldecoder(options.encoding)(errors=options.encoding_errors)
+    except LookupError:
+        raise UserError(f"--input {path}: unknown encoding {options.encoding!r} (the run's data.encoding)") from None
+    name = "UTF-8" if codecs.lookup(options.encoding).name.startswith("utf-8") else options.encoding
+    line = 1
+    with path.open("rb") as f:
+        while True:
+            block = f.read(_TEXT_BLOCK)
+            try:
+                text = decoder.decode(block, final=not block)
+            except UnicodeDecodeError as exc:
+                at = line + exc.object[: exc.start].decode(options.encoding, errors="replace").count("\n")
+                raise UserError(
+                    f"cannot read --input {path}: byte 0x{exc.object[exc.start]:02x} on line {at} is not {name} "
+                    f"text; save the texts as {name} (e.g. iconv -f latin1 -t utf-8), or a binary file's texts "
+                    "as a .txt (one per line) or .csv"
+                ) from None
+            if "\x00" in text:
+                at = line + text[: text.index("\x00")].count("\n")
+                raise UserError(
+                    f"cannot read --input {path}: a NUL byte on line {at}, so not text (a binary file?); give "
+                    f"the texts as a {name} .txt (one per line) or .csv/.tsv (a column)"
+                )
+            line += text.count("\n")
+            if not block:
+                return
+
+
 # ----------------------------------------------------------------------------------------------
 # The model: final/ with PyTorch, or an ONNX export with ONNX Runtime.
 
@@ -151,18 +238,43 @@ class OnnxClassifier:
     `config` (the export's config.json, final/'s) and `model(**batch).logits` (a torch tensor)."""
 
     def __init__(self, directory: Path, threads: int | None = None) -> None:
+        """Load `directory`'s model.onnx and config.json.
+
+        Raises:
+            UserError: ONNX Runtime cannot load model.onnx (damaged, truncated, its external weights gone, an
+                operator it lacks), or transformers cannot read config.json.
+        """
         import onnxruntime
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort
         from transformers import AutoConfig
 
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads or torch.get_num_threads()  # the same threads as PyTorch's
         # idle threads that spin steal the CPU from the tokenizer and from other jobs on a shared machine
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = onnxruntime.InferenceSession(
-            str(directory / ONNX_FILE), options, providers=["CPUExecutionProvider"]
-        )
+        try:
+            self.session = onnxruntime.InferenceSession(
+                str(directory / ONNX_FILE), options, providers=["CPUExecutionProvider"]
+            )
+        except (
+            ort.InvalidProtobuf,
+            ort.InvalidGraph,
+            ort.InvalidArgument,
+            ort.NoSuchFile,
+            ort.Fail,
+            ort.NotImplemented,
+        ) as exc:
+            why = str(exc).split("failed:", 1)[-1].strip().splitlines()[0][:200]  # after its "Load model from"
+            raise UserError(
+                f"ONNX Runtime cannot load {directory / ONNX_FILE} ({why}): it is damaged or incomplete; "
+                "export it again with finetune export --onnx"
+            ) from None
         self.inputs = [i.name for i in self.session.get_inputs()]
-        self.config = AutoConfig.from_pretrained(directory)
+        try:
+            self.config = AutoConfig.from_pretrained(directory)
+        except (OSError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot read {directory / 'config.json'}: {first}; export it again") from None
 
     def __call__(self, **batch: torch.Tensor) -> Any:
         feed = {k: batch[k].numpy().astype(np.int64) for k in self.inputs}
@@ -174,7 +286,8 @@ def check_model(directory: Path, backend: str = "pytorch") -> None:
 
     Raises:
         UserError: an unknown backend, an ONNX export given to PyTorch or final/ to ONNX Runtime, missing or
-            corrupt files (final/: `check_final`), no tokenizer, onnxruntime not installed.
+            corrupt files (final/: `check_final`), no tokenizer or config.json, an unreadable model.onnx,
+            onnxruntime not installed.
     """
     if backend not in BACKENDS:
         raise UserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -189,6 +302,13 @@ def check_model(directory: Path, backend: str = "pytorch") -> None:
         raise UserError(f"{directory} has no {ONNX_FILE}{hint if directory.is_dir() else ''}")
     if not (directory / "tokenizer_config.json").is_file() or not any((directory / v).is_file() for v in VOCAB_FILES):
         raise UserError(f"{directory} has no tokenizer (tokenizer_config.json and its vocabulary): export it again")
+    if not (directory / "config.json").is_file():
+        raise UserError(f"{directory / 'config.json'} is missing: export it again with finetune export --onnx")
+    try:
+        with (directory / ONNX_FILE).open("rb"):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot read {directory / ONNX_FILE}: {exc.strerror}") from None
     try:
         import onnxruntime  # noqa: F401
     except ImportError:
@@ -199,14 +319,20 @@ def load_model(directory: Path, backend: str = "pytorch") -> tuple[Any, Any]:
     """The tokenizer and model of `directory`: final/ for PyTorch, an ONNX export for ONNX Runtime.
 
     Raises:
-        UserError: `check_model`'s refusals, or transformers cannot load the directory.
+        UserError: `check_model`'s refusals, transformers cannot load the directory, or ONNX Runtime its
+            model.onnx.
     """
     check_model(directory, backend)
     if backend == "pytorch":
         return load_final(directory)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory), OnnxClassifier(directory)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load the tokenizer of {directory}: {first}; export it again") from None
+    return tokenizer, OnnxClassifier(directory)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,6 +435,39 @@ def predict_texts(
     return out
 
 
+def empty_row(config: Any, text: str, pair: str | None = None) -> dict[str, Any]:
+    """The output row of a row with no text (`is_blank`): its text (and pair) as read, and what the problem
+    type predicts (`output_columns`) and the probabilities null."""
+    head, names = output_columns(config, pair is not None)
+    row = dict.fromkeys(head) | {"text": text, **({"text_pair": pair} if pair is not None else {})}
+    return row | ({"probabilities": None} if names else {})
+
+
+def predict_rows(
+    tokenizer: Any,
+    model: Any,
+    texts: list[str],
+    pairs: list[str] | None = None,
+    batch_size: int = 64,
+    on_texts: Callable[[int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One output row per input row, in input order: `predict_texts` for the rows with a text, `empty_row` for
+    those without (`is_blank`: a model reads nothing there, and a label for it would be noise counted as a
+    prediction). `on_texts` is also told of the empty rows."""
+    keep = [i for i, t in enumerate(texts) if not is_blank(t, pairs[i] if pairs is not None else None)]
+    kept_pairs = [pairs[i] for i in keep] if pairs is not None else None
+    rows = [empty_row(model.config, t, pairs[i] if pairs is not None else None) for i, t in enumerate(texts)]
+    if keep:
+        preds = predict_texts(
+            tokenizer, model, [texts[i] for i in keep], batch_size, pairs=kept_pairs, on_texts=on_texts
+        )
+        for i, p in zip(keep, preds, strict=True):
+            rows[i] = p
+    if on_texts is not None and len(keep) < len(texts):
+        on_texts(len(texts) - len(keep))
+    return rows
+
+
 def evaluate_final(directory: Path, config_file: str | Path, overrides: list[str]) -> dict[str, Any]:
     """`finetune evaluate`: the metrics, with bootstrap intervals, of final/ `directory` on the validation and test
     data of a config (`overrides` applied), its texts cut where the config's `data.max_length` says and multi-label
@@ -345,49 +504,56 @@ def evaluate_final(directory: Path, config_file: str | Path, overrides: list[str
 # Predictions out.
 
 
-def _columns(preds: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
-    first = preds[0]
-    head = [k for k in ("text", "text_pair", "label", "labels", "score") if k in first]
-    return head, list(first.get("probabilities", {}))
+def output_columns(config: Any, pairs: bool) -> tuple[list[str], list[str]]:
+    """The output's columns for a model's `config`, with or without pairs: the text (and pair) and what the
+    problem type predicts (label and score / labels / score), then the labels whose probabilities follow
+    (none for regression)."""
+    kind = problem_type(config)
+    outputs = {REGRESSION: ["score"], MULTI: ["labels"]}.get(kind, ["label", "score"])
+    names = [] if kind == REGRESSION else label_names(config)
+    return ["text", *(["text_pair"] if pairs else []), *outputs], names
 
 
-def csv_rows(preds: list[dict[str, Any]]) -> Iterator[list[Any]]:
-    """.csv cells: text (pair), label / labels (joined by |) / score, then prob_<label> per label."""
-    head, names = _columns(preds)
+def csv_rows(preds: list[dict[str, Any]], columns: tuple[list[str], list[str]]) -> Iterator[list[Any]]:
+    """.csv cells in `output_columns` order: text (pair), label / labels (joined by |) / score, then
+    prob_<label> per label; an empty row's cells after its text are empty."""
+    head, names = columns
     for p in preds:
-        cells = ["|".join(p[k]) if k == "labels" else (f"{p[k]:.6f}" if k == "score" else p[k]) for k in head]
-        yield [*cells, *[f"{p['probabilities'][n]:.6f}" for n in names]]
+        cells = [
+            "" if p[k] is None else "|".join(p[k]) if k == "labels" else f"{p[k]:.6f}" if k == "score" else p[k]
+            for k in head
+        ]
+        probs = p.get("probabilities") or {}
+        yield [*cells, *[f"{probs[n]:.6f}" if n in probs else "" for n in names]]
 
 
 def csv_header(config: Any, pairs: bool) -> list[str]:
     """The .csv output's header for a model's `config` (its problem type and labels), with or without pairs."""
-    kind = problem_type(config)
-    outputs = {"regression": ["score"], "multi_label_classification": ["labels"]}.get(kind, ["label", "score"])
-    probs = [] if kind == "regression" else [f"prob_{n}" for n in label_names(config)]
-    return ["text", *(["text_pair"] if pairs else []), *outputs, *probs]
+    head, names = output_columns(config, pairs)
+    return [*head, *[f"prob_{n}" for n in names]]
 
 
-def write_part(path: Path, preds: list[dict[str, Any]]) -> None:
-    """One chunk's predictions in the output's format (.csv without its header), written under a temporary
-    name and renamed: a part that exists is complete."""
+def write_part(path: Path, preds: list[dict[str, Any]], columns: tuple[list[str], list[str]]) -> None:
+    """One chunk's predictions in the output's format (.csv without its header) and `output_columns`, written
+    under a temporary name and renamed: a part that exists is complete."""
     tmp = path.with_name(path.name + ".tmp")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         tmp.write_text("".join(json.dumps(p) + "\n" for p in preds), encoding="utf-8")
     elif suffix == ".csv":
         with tmp.open("w", newline="", encoding="utf-8") as f:
-            csv.writer(f).writerows(csv_rows(preds))
+            csv.writer(f).writerows(csv_rows(preds, columns))
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        head, names = _columns(preds)
+        head, names = columns
         types = {"labels": pa.list_(pa.string()), "score": pa.float64()}  # the rest: strings
         schema = pa.schema(
             [(k, types.get(k, pa.string())) for k in head] + [(f"prob_{n}", pa.float64()) for n in names]
         )
         table = {k: [p[k] for p in preds] for k in head} | {
-            f"prob_{n}": [p["probabilities"][n] for p in preds] for n in names
+            f"prob_{n}": [(p.get("probabilities") or {}).get(n) for p in preds] for n in names
         }
         pq.write_table(pa.table(table, schema=schema), tmp)
     tmp.replace(path)
@@ -452,6 +618,8 @@ class Job:
             "text_column": self.text_column,
             "pair_column": self.pair_column,
             "chunk_size": self.chunk_size,
+            # parts written when blank lines were no rows hold other rows than their numbers say
+            "blank_rows": "kept",
         }
 
     @property
@@ -460,8 +628,12 @@ class Job:
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    """Raises:
-    UserError: an output format predict cannot write, or an output that exists without --overwrite.
+    """Refuse, before the model loads, an output predict cannot write: else an OSError traceback would come
+    once the first chunk's predictions are ready.
+
+    Raises:
+        UserError: an output format predict cannot write, an output that exists without --overwrite, or an
+            output whose folder cannot be made (a file is in the way) or written in.
     """
     if out.suffix.lower() not in OUTPUTS:
         raise UserError(f"--output {out}: cannot infer its format from the name; use one of {', '.join(OUTPUTS)}")
@@ -469,6 +641,17 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise UserError(f"--output {out} exists: pass --overwrite to replace it")
     if out.is_dir():
         raise UserError(f"--output {out} is a directory")
+    folder = out.absolute().parent
+    while not os.path.exists(folder) and folder != folder.parent:  # the nearest folder there, to make the rest in
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"--output {out}: {folder} is not a folder; choose an output path in a folder")
+    try:  # a folder made and removed: permission bits say nothing to root, nor of a read-only or virtual file system
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", dir=folder))
+    except OSError as exc:
+        raise UserError(
+            f"--output {out}: cannot write in {folder} ({exc.strerror}); choose a folder you can write to"
+        ) from None
 
 
 def parts_done(job: Job, overwrite: bool) -> int:
@@ -513,19 +696,24 @@ def _worker_start(directory: Path, backend: str, threads: int) -> None:
 
 def _worker_predict(texts: list[str], pairs: list[str] | None, batch_size: int) -> list[dict[str, Any]]:
     tokenizer, model = _WORKER["model"]
-    return predict_texts(tokenizer, model, texts, batch_size, pairs=pairs, on_texts=lambda n: None)
+    return predict_rows(tokenizer, model, texts, pairs, batch_size, on_texts=lambda n: None)
 
 
 def predicted_chunks(
-    job: Job, todo: Iterator[tuple[int, list[str], list[str] | None]], batch_size: int, workers: int, bar: Any
+    job: Job,
+    todo: Iterator[tuple[int, list[str], list[str] | None]],
+    batch_size: int,
+    workers: int,
+    bar: Any,
+    loaded: tuple[Any, Any] | None,
 ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-    """Each chunk's predictions, in input order: in this process, or with `workers` processes (each loads the
-    model and takes its share of the threads; chunks go out in turn and come back in order, at most two
-    per worker in flight)."""
+    """Each chunk's rows (`predict_rows`), in input order: in this process with the `loaded` tokenizer and
+    model, or with `workers` processes (each loads the model and takes its share of the threads; chunks go
+    out in turn and come back in order, at most two per worker in flight)."""
     if workers == 1:
-        tokenizer, model = load_model(job.model, job.backend)
+        tokenizer, model = loaded or load_model(job.model, job.backend)
         for index, texts, pairs in todo:
-            yield index, predict_texts(tokenizer, model, texts, batch_size, pairs=pairs, on_texts=bar.update)
+            yield index, predict_rows(tokenizer, model, texts, pairs, batch_size, on_texts=bar.update)
         return
     import multiprocessing
     from collections import deque
@@ -558,18 +746,21 @@ def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False, workers
     check_input(job.input)
     check_output(job.output, overwrite)
     options = input_options(job.input, job.model)
+    check_text(job.input, options)
     chunks = _chunks(job.input, job.chunk_size, options)
     first = next(chunks, None)
-    if first is None:
-        raise UserError(f"--input {job.input} has no texts")
-    columns = Columns.of(first[0], job.input, job.text_column, job.pair_column)
-    columns.texts(first, job.input, 0)  # a missing column in the first chunk, before the model loads
-    check_model(job.model, job.backend)
-    from transformers import AutoConfig
-
-    header = csv_header(AutoConfig.from_pretrained(job.model), columns.pair is not None)
-    total = count_rows(job.input, input_format(job.input), options, f"--input {job.input}")
-    job.output.parent.mkdir(parents=True, exist_ok=True)
+    columns = input_columns(job, options, first)
+    total = count_rows(job.input, input_format(job.input), options, f"--input {job.input}", keep_blank=True)
+    # loaded before anything is written, a damaged model is one line; with --workers each loads its own
+    loaded: tuple[Any, Any] | None = load_model(job.model, job.backend)
+    out_columns = output_columns(loaded[1].config, columns.pair is not None)
+    header = csv_header(loaded[1].config, columns.pair is not None)
+    if workers > 1:
+        loaded = None
+    try:
+        job.output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output {job.output}: cannot make {job.output.parent} ({exc.strerror})") from None
     done = parts_done(job, overwrite)
     if done:
         print(f"continuing {job.output}: {done} chunk(s) of {job.chunk_size} texts already done", file=sys.stderr)
@@ -580,8 +771,8 @@ def run_predict(job: Job, batch_size: int = 64, overwrite: bool = False, workers
     )
     started, n, new = time.perf_counter(), min(done * job.chunk_size, total), 0
     with progress_bar(total=total, initial=n, desc="predict", unit="text", dynamic_ncols=True) as bar:
-        for index, preds in predicted_chunks(job, todo, batch_size, workers, bar):
-            write_part(job.parts / f"part-{index:06d}{job.output.suffix.lower()}", preds)
+        for index, preds in predicted_chunks(job, todo, batch_size, workers, bar, loaded):
+            write_part(job.parts / f"part-{index:06d}{job.output.suffix.lower()}", preds, out_columns)
             n, new = n + len(preds), new + len(preds)
     join_parts(job.parts, job.output, header)
     shutil.rmtree(job.parts)
