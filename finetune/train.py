@@ -52,7 +52,7 @@ from finetune.data.packing import attention_cost, packed_logits
 from finetune.data.window import OutOfMemoryGuard, adapt_to_launch, window_loss
 from finetune.deploy.card import write_model_card
 from finetune.deploy.final import export_final, prediction_config
-from finetune.evaluation.calibrate import calibrate, fold_temperature, plot_reliability
+from finetune.evaluation.calibrate import calibrate, fold_temperature, plot_reliability, report_on_test
 from finetune.evaluation.metrics import (
     Outputs,
     bootstrap_ci,
@@ -659,25 +659,48 @@ def calibrate_final(run: Run, final: dict[str, Any]) -> None:
     """Single-label with validation (`train.calibrate`): a temperature fitted on the validation logits of
     final/'s weights, folded into the output layer before the test evaluation and the export, so eval.json,
     predictions.jsonl and final/ all give the calibrated probabilities; eval.json's `calibration` holds the
-    temperature and the ECE / Brier score / NLL on validation before and after."""
+    temperature and the ECE / Brier score / NLL on validation before and after, in-sample and cross-fitted.
+    Too few validation rows, or a temperature that does not lower the cross-fitted NLL: no temperature."""
     cfg = run.cfg
     if not cfg.train.calibrate or run.eval_loader is None or cfg.model.problem_type != SINGLE:
         return
     if "validation" not in run.outputs:  # a finished run resumed: its last evaluation was in the earlier process
         evaluate_split(run, "validation")
     out = run.outputs["validation"]
-    final["calibration"] = calibrate(out.logits.numpy(), out.labels.numpy())
-    temperature = final["calibration"]["temperature"]
+    report = final["calibration"] = calibrate(out.logits.numpy(), out.labels.numpy(), seed=cfg.run.seed)
+    if "skipped" in report or not report["kept"]:
+        logger.info(f"calibration: no temperature: {report.get('skipped') or report['reason']}")
+        return
+    temperature, crossed = report["temperature"], report["cross_fitted"]
     fold_temperature(run.accelerator.unwrap_model(run.model), temperature)
-    if cfg.log.plots and run.accelerator.is_main_process:
-        plot_reliability(out.logits.numpy(), out.labels.numpy(), temperature, run.run_dir / "reliability.png")
     out.logits = out.logits / temperature  # what final/ now computes
-    final["loss"] = final["calibration"]["nll_after"]
+    final["loss"] = report["nll_after"]
     logger.info(
-        f"calibration: temperature {temperature:.4f} on validation; ECE {final['calibration']['ece_before']:.4f} "
-        f"-> {final['calibration']['ece_after']:.4f}, Brier {final['calibration']['brier_before']:.4f} "
-        f"-> {final['calibration']['brier_after']:.4f}"
+        f"calibration: temperature {temperature:.4f} on validation; ECE {report['ece_before']:.4f} -> "
+        f"{report['ece_after']:.4f}, Brier {report['brier_before']:.4f} -> {report['brier_after']:.4f}; "
+        f"cross-fitted ECE {crossed['ece_before']:.4f} -> {crossed['ece_after']:.4f}, NLL "
+        f"{crossed['nll_before']:.4f} -> {crossed['nll_after']:.4f}"
     )
+
+
+def calibration_on_test(run: Run, final: dict[str, Any]) -> None:
+    """After the test evaluation: the test split's measures under validation's temperature (eval.json's
+    `calibration.test`, from final/'s test logits) and reliability.png, on test where there is one."""
+    report = final.get("calibration")
+    if report is None or "skipped" in report:
+        return
+    temperature, split = report["temperature"], "test" if run.test_loader is not None else "validation"
+    out = run.outputs[split]  # final/'s logits: divided by the temperature already
+    if split == "test":
+        report["test"] = report_on_test(out.logits.numpy(), out.labels.numpy(), temperature)
+        logger.info(
+            f"calibration on test: ECE {report['test']['ece_before']:.4f} -> {report['test']['ece_after']:.4f}, "
+            f"Brier {report['test']['brier_before']:.4f} -> {report['test']['brier_after']:.4f}, "
+            f"NLL {report['test']['nll_before']:.4f} -> {report['test']['nll_after']:.4f}"
+        )
+    if run.cfg.log.plots and run.accelerator.is_main_process:
+        before = out.logits.double().numpy() * temperature
+        plot_reliability(before, out.labels.numpy(), temperature, run.run_dir / "reliability.png", split)
 
 
 def finish(run: Run, was_finished: bool) -> dict[str, Any]:
@@ -717,6 +740,7 @@ def finish(run: Run, was_finished: bool) -> dict[str, Any]:
             {k.replace("eval_", "test_"): v for k, v in eval_row(0, final["test"]).items() if k != "step"},
             step=progress.step,
         )
+    calibration_on_test(run, final)
     export_final(
         acc,
         run.model,

@@ -77,6 +77,13 @@ AREAS: dict[str, tuple[str, str]] = {
         "Runs killed and resumed with `checkpoint.resume=auto`, against the same run uninterrupted. docs/RESUME.md "
         "describes what a checkpoint holds.",
     ),
+    "calibration": (
+        "Calibration",
+        "How many validation rows a temperature needs (`train.calibrate`): temperature scaling fitted on n "
+        "synthetic rows of a known true temperature, scored on 10,000 new rows; below the threshold a fitted "
+        "temperature raised their NLL in more draws than it lowered it for at least one true temperature and number "
+        "of classes (finetune/evaluation/calibrate.py's MIN_ROWS). scripts/bench_calibration.py prints the tables.",
+    ),
 }
 
 INTRO = """# Results

@@ -448,8 +448,9 @@ class TrainConfig(_Section):
     calibrate: bool = Field(
         True,
         description="single-label with a validation set: fit a temperature on validation after training and fold "
-        "it into final/'s output layer (calibrated probabilities; ECE and Brier before/after in eval.json); "
-        "multi-label and regression are left as trained",
+        "it into final/'s output layer (calibrated probabilities; ECE, Brier and NLL before/after in eval.json, on "
+        "validation, cross-fitted on its halves and on test); none from too few validation rows, and none kept "
+        "where it does not lower the cross-fitted NLL; multi-label and regression are left as trained",
         # applied to final/ at the end only: the checkpoints hold the weights as trained
         json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
