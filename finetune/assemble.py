@@ -18,6 +18,7 @@ from accelerate import Accelerator
 
 from finetune.config.files import dump_config
 from finetune.config.schema import Config
+from finetune.core.fileio import METRICS_FILE
 from finetune.data.build import Data, build_eval_loader
 from finetune.data.packing import check_packing
 from finetune.memory import monitor as mem
@@ -114,7 +115,7 @@ def prepare_run_dir(
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.cleanup_stale(run_dir)  # temporaries of a save or rotation that a crash interrupted
         if resume_from is None:
-            ckpt.trim_metrics(run_dir / "metrics.jsonl", 0)  # a restart of this config logs from step 0 again
+            ckpt.trim_metrics(run_dir / METRICS_FILE, 0)  # a restart of this config logs from step 0 again
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         (run_dir / "labels.json").write_text(json.dumps(data.label_names))
         (run_dir / "provenance.json").write_text(json.dumps(provenance(data.files, data.sha256), indent=2))

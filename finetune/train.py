@@ -47,6 +47,7 @@ from finetune.config.schema import Config
 from finetune.config.tasks import SINGLE
 from finetune.core import faults
 from finetune.core.errors import UserError
+from finetune.core.fileio import METRICS_FILE
 from finetune.data.build import Data, build_data, build_train_loader, format_data_report
 from finetune.data.packing import attention_cost, packed_logits
 from finetune.data.window import OutOfMemoryGuard, adapt_to_launch, window_loss
@@ -103,7 +104,6 @@ from finetune.training.runtime import (
 from finetune.training.trackers import start_trackers
 
 logger = logging.getLogger("finetune")
-METRICS_FILE = "metrics.jsonl"
 
 
 # ----------------------------------------------------------------------------------------------

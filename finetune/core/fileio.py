@@ -30,6 +30,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+METRICS_FILE = "metrics.jsonl"  # a run's log rows, in its run directory
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file a run appends to (metrics.jsonl), in order.
 

@@ -32,7 +32,7 @@ from sklearn.metrics import (
 from finetune.config.tasks import HEADLINE, MULTI, PROBLEM_TYPES, REGRESSION
 from finetune.core import faults
 from finetune.core.errors import UserError
-from finetune.core.fileio import read_jsonl
+from finetune.core.fileio import METRICS_FILE, read_jsonl
 from finetune.memory.monitor import latest_report, plot_memory
 from finetune.model.precision import fp32_per_sample_loss
 
@@ -279,7 +279,7 @@ def plot_run(run: Path) -> list[Path]:
     Raises:
         UserError: the run has no metrics.jsonl.
     """
-    metrics = run / "metrics.jsonl"
+    metrics = run / METRICS_FILE
     if not metrics.is_file():
         raise UserError(f"{run} has no metrics.jsonl to plot")
     plot_curves(metrics, run / "curves.png")
