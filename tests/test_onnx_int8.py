@@ -99,3 +99,19 @@ def test_int8_export_parity_and_onnx_predict(
         err_lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert len(err_lines) == 1 and "--backend" in err_lines[0], err_lines
         assert not bad.exists()
+
+
+def test_int8_warning_says_what_to_do() -> None:
+    """describe_check on hand-made checks: a loss over the limit is a warning line that names the fp32 export;
+    a loss within it is the plain line."""
+    from finetune.deploy.export import describe_check
+
+    check = {"inputs": ["input_ids"], "max_abs_diff": 1e-6, "checks": [{}, {}], "tolerance": 1e-4}
+    v = {"metric": "accuracy", "fp32": 0.8050, "int8": 0.7993, "texts": 872}
+    lines = describe_check(check | {"int8": {"validation": v, "int8_loss": 0.0057, "warning": True}}, "out")
+    warning = lines.splitlines()[-1]
+    assert warning.startswith("warning: int8 on validation (872 texts): accuracy 0.7993 against fp32 0.8050")
+    assert "a loss of 0.57 points (more than 0.5)" in warning and "export again without --quantize" in warning
+    v = v | {"int8": 0.8016}
+    lines = describe_check(check | {"int8": {"validation": v, "int8_loss": 0.0034, "warning": False}}, "out")
+    assert lines.splitlines()[-1] == "int8 on validation (872 texts): accuracy 0.8016 against fp32 0.8050"
