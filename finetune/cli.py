@@ -1,4 +1,4 @@
-"""`finetune train | plan | evaluate | predict | report | config | init | export | sweep`: thin argument
+"""`finetune train | plan | evaluate | predict | report | config | init | export | sweep | audit`: thin argument
 parsing around the modules."""
 
 from __future__ import annotations
@@ -301,6 +301,47 @@ def _cmd_sweep(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_audit(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune audit",
+        description="Find the training rows whose label is likely wrong: K-fold out-of-sample predictions (each fold "
+        "an ordinary run in <run.output_dir>/fold-K) and confident learning (cleanlab); the rows ranked in "
+        "<run.output_dir>/label_issues.csv. A stopped audit continues when the same command is run again.",
+    )
+    parser.add_argument("--config", required=True, help="the YAML config `finetune train` takes")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. audit.folds=3")
+    parser.add_argument(
+        "--minutes",
+        type=_positive_minutes,
+        default=None,
+        help="the time the whole audit may take (shared by the folds)",
+    )
+    args = parser.parse_args(argv)
+    from finetune.audit import run_audit, summary_line
+    from finetune.config.files import load_config
+    from finetune.training.runtime import Preempted
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        summary = run_audit(cfg, args.minutes)
+    except Preempted as exc:
+        print(
+            f"{exc.signal_name}: the audit stopped in a fold at step {exc.step} (checkpoint {exc.checkpoint}); run the "
+            "same command again to continue (finished folds are kept)",
+            file=sys.stderr,
+        )
+        return exc.exit_code
+    print(summary_line(summary), file=sys.stderr)
+    overrides = " ".join(args.overrides)
+    print(
+        f"train without them: finetune train --config {args.config} {overrides + ' ' if overrides else ''}"
+        f"data.exclude_rows={summary['issues_file']} run.output_dir={cfg.run.output_dir}-clean "
+        "(or edit the file first: only its `row` column counts)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train,
     "plan": _cmd_plan,
@@ -311,6 +352,7 @@ COMMANDS = {
     "init": _cmd_init,
     "export": _cmd_export,
     "sweep": _cmd_sweep,
+    "audit": _cmd_audit,
 }
 
 

@@ -752,8 +752,9 @@ def finish(run: Run, was_finished: bool) -> dict[str, Any]:
     describe_final(run, final, thresholds)
     if acc.is_main_process:
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+        data, excluded = run.data, run.data.report["splits"]["train"].get("excluded_rows", 0)
         write_model_card(
-            run.run_dir / "final", cfg, final, run.data.label_names, run.data.files, run.data.sha256, memory_report
+            run.run_dir / "final", cfg, final, data.label_names, data.files, data.sha256, memory_report, excluded
         )
         if run.metrics_file.exists() and cfg.log.plots:
             plot_curves(run.metrics_file, run.run_dir / "curves.png")

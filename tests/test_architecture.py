@@ -45,6 +45,7 @@ LAYERS = [
     "memory.planner",
     "evaluation.metrics",
     "evaluation.calibrate",
+    "evaluation.issues",
     "deploy.final",
     "deploy.predict",
     "deploy.card",
@@ -56,6 +57,7 @@ LAYERS = [
     "assemble",
     "train",
     "sweep",
+    "audit",
     "cli",
 ]
 

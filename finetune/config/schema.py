@@ -295,6 +295,12 @@ class DataConfig(_Section):
     chunk_aggregate: Literal["mean", "max"] = Field(
         "mean", description="how the windows' logits of one text are combined in evaluation and predict"
     )
+    exclude_rows: str | None = Field(
+        None,
+        description="a CSV whose `row` column lists training rows to leave out (0-based data rows of the train file, "
+        "the header not counted), e.g. `finetune audit`'s label_issues.csv or your edited copy; a path as given, not "
+        "under data.data_dir; where it has a `text` column, each row's text must match the file's",
+    )
     max_train_samples: PositiveInt | None = Field(
         None, description="use only the first N training rows (after the validation split)"
     )
@@ -648,6 +654,31 @@ class SweepConfig(_Section):
     )
 
 
+class AuditConfig(_Section):
+    """`audit`: how `finetune audit` finds the training rows whose label is likely wrong; `train` ignores it."""
+
+    folds: int = Field(
+        5,
+        ge=2,
+        description="K of the K-fold cross-validation: each row's probabilities come from the run that trained on "
+        "the other K-1 folds (at most the rows of the smallest class)",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
+    epochs: PositiveFloat | None = Field(
+        1.0,
+        description="passes over each fold's training rows (null: train.epochs); a network fits the shared pattern "
+        "of the data before it memorizes wrong labels, and one pass keeps the audit at K passes over the data",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,
+    )
+    filter_by: Literal["prune_by_noise_rate", "prune_by_class", "both", "confident_learning", "predicted_neq_given"] = (
+        Field(
+            "prune_by_noise_rate",
+            description="cleanlab's rule for which rows are label issues (cleanlab.filter.find_label_issues)",
+            json_schema_extra=MAY_CHANGE_ON_RESUME,
+        )
+    )
+
+
 def closest_name(word: str, names: typing.Iterable[str]) -> str | None:
     """The one of `names` a mistyped `word` most likely meant, for a did-you-mean hint; None when none is close."""
     close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
@@ -665,7 +696,7 @@ def _section_class(annotation: Any) -> type[BaseModel] | None:
 def _settable(key: str) -> Any:
     """The field a dotted key names, when a sweep trial may set it (not run.* or sweep.*); else None."""
     parts = key.split(".")
-    if len(parts) < 2 or parts[0] in ("run", "sweep"):
+    if len(parts) < 2 or parts[0] in ("run", "sweep", "audit"):
         return None
     cls: Any = Config
     for part in parts[:-1]:
@@ -680,7 +711,7 @@ def _settable_keys() -> list[str]:
     return [
         f"{s}.{f}"
         for s, h in Config.model_fields.items()
-        if s not in ("run", "sweep")
+        if s not in ("run", "sweep", "audit")
         for f in _section_class(h.annotation).model_fields
     ]
 
@@ -697,6 +728,7 @@ class Config(_Section):
     memory: MemoryConfig = MemoryConfig()
     log: LogConfig = LogConfig()
     sweep: SweepConfig = SweepConfig()
+    audit: AuditConfig = AuditConfig()
 
     @model_validator(mode="after")
     def _batch(self) -> Config:

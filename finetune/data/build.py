@@ -230,6 +230,8 @@ def build_data_report(raw: RawSplits, tokenized: dict[str, datasets.Dataset]) ->
         }
         if len(tok) != len(ds):
             entry["windows"] = len(tok)
+        if name == "train" and raw.excluded:
+            entry["excluded_rows"] = raw.excluded
         if name != "train":
             entry["overlap_with_train"] = sum(1 for t in set(texts) if t in train_texts)
         report["splits"][name] = entry
@@ -266,6 +268,8 @@ def format_data_report(report: dict[str, Any]) -> str:
             if "labels_per_row" in e:
                 balance = f"positives per label: {balance}; {e['labels_per_row']:.2f} labels/row"
         extra = f", {e['overlap_with_train']} also in train" if "overlap_with_train" in e else ""
+        if e.get("excluded_rows"):
+            extra += f"; {e['excluded_rows']} rows left out (data.exclude_rows)"
         if "swapped_rows" in e:
             extra += f"; trains on {e['swapped_rows']} more rows with the pair's texts swapped"
         lines.append(

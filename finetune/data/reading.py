@@ -63,6 +63,7 @@ class RawSplits:
     raw_to_name: dict[str, str]
     files: dict[str, Path] = field(default_factory=dict)
     problem_type: str = SINGLE
+    excluded: int = 0  # training rows left out by data.exclude_rows
 
     @property
     def target(self) -> LabelTarget:
@@ -724,36 +725,113 @@ def _hub_split(cfg: Config, split: str | None) -> datasets.Dataset | None:
         ) from None
 
 
+@dataclass
+class TrainRows:
+    """The training rows as read (`RawSplits.train` before the validation split), `rows[i]` the 0-based data row
+    of the file that row i came from (the reading order for label folders and hub splits), with the label names of
+    the whole file (excluded rows included: every run on a subset of the file has the same label ids)."""
+
+    data: datasets.Dataset
+    rows: list[int]
+    label_names: list[str]
+    raw_to_name: dict[str, str]
+    files: dict[str, Path]
+    source: str
+    total: int = 0  # rows of the file (excluded ones included)
+    excluded: int = 0
+
+
+def read_train_rows(cfg: Config) -> TrainRows:
+    """The training split as `load_raw_splits` starts from it: read, normalized, labels named, `data.exclude_rows`
+    applied (nothing split off, no `data.max_train_samples` cut).
+
+    Raises:
+        UserError: as `load_raw_splits`, and an exclusion list that does not fit the file (`exclude_rows`).
+    """
+    d = cfg.data
+    files: dict[str, Path] = {}
+    if d.hub_dataset is not None:
+        train, src = _hub_split(cfg, d.hub_train_split), d.hub_dataset
+    elif d.label_files is not None:
+        (train, files), src = read_label_files(cfg), "data.label_files"
+    else:
+        files["train"] = cfg.resolved_path(d.train_file)  # type: ignore[assignment]
+        train, src = read_file(cfg, files["train"]), str(files["train"])
+    assert train is not None
+    train = _normalize(cfg, train, src)
+    names, raw_to_name = _label_names(cfg, train["label"][:], src)
+    out = TrainRows(train, list(range(len(train))), names, raw_to_name, files, src, len(train))
+    if d.exclude_rows is not None:
+        path = Path(d.exclude_rows).expanduser()
+        keep = exclude_rows(train, path, src)
+        out.data, out.rows, out.excluded = train.select(keep), keep, len(train) - len(keep)
+        files["exclude_rows"] = path
+    return out
+
+
+EXCLUDE_COLUMN = "row"  # the column of data.exclude_rows (finetune audit's label_issues.csv) naming data rows
+
+
+def exclude_rows(train: datasets.Dataset, path: Path, source: str) -> list[int]:
+    """The rows of `train` to keep: all but those `path` lists in its `row` column (0-based data rows, the header
+    not counted). Where the file also has a `text` column (audit's label_issues.csv has), every listed row's text
+    must be the training file's text of that row: a list made for other data, or a reordered file, is refused.
+
+    Raises:
+        UserError: the file is missing, has no `row` column, or lists a row that is not a whole number within the
+            training rows or whose text differs.
+    """
+    key = "data.exclude_rows"
+    if not path.is_file():
+        raise UserError(f"{key}: {path} does not exist")
+    with _parse_errors(f"{key}: {path}"), open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        table, columns = list(reader), reader.fieldnames or []
+    if EXCLUDE_COLUMN not in columns:
+        raise UserError(
+            f"{key}: {path} has no column {EXCLUDE_COLUMN!r} (the data rows to leave out); its columns: {columns}"
+        )
+    texts = train["text"][:]
+    dropped: set[int] = set()
+    for line, entry in enumerate(table, start=2):
+        cell = (entry.get(EXCLUDE_COLUMN) or "").strip()
+        if not cell.isdigit() or int(cell) >= len(texts):
+            raise UserError(
+                f"{key}: {path} line {line}: row {cell!r} is not a data row of {source} (0 to {len(texts) - 1})"
+            )
+        row = int(cell)
+        given = entry.get("text")
+        if given is not None and given != texts[row]:
+            raise UserError(
+                f"{key}: {path} line {line}: row {row}'s text differs from {source}'s; the list was made for "
+                "other data (or the file was reordered)"
+            )
+        dropped.add(row)
+    return [i for i in range(len(texts)) if i not in dropped]
+
+
 def load_raw_splits(cfg: Config) -> RawSplits:
     """Read, normalize, label-check and split the configured data (no tokenization yet).
 
     Raises:
         UserError: missing or unreadable files, missing columns or values, labels that do not fit
-            the problem type, validation/test labels unseen in training.
+            the problem type, validation/test labels unseen in training, a bad `data.exclude_rows`.
     """
     d = cfg.data
-    files: dict[str, Path] = {}
+    rows = read_train_rows(cfg)
+    train, names, raw_to_name, files = rows.data, rows.label_names, rows.raw_to_name, rows.files
     if d.hub_dataset is not None:
-        train = _hub_split(cfg, d.hub_train_split)
         val = _hub_split(cfg, d.hub_validation_split) if d.validation_split is None else None
         test = _hub_split(cfg, d.hub_test_split)
-        src = {"train": d.hub_dataset, "validation": d.hub_dataset, "test": d.hub_dataset}
+        src = {"validation": d.hub_dataset, "test": d.hub_dataset}
     else:
-        if d.label_files is not None:
-            train, files = read_label_files(cfg)
-        for split, name in (("train", d.train_file), ("validation", d.validation_file), ("test", d.test_file)):
+        for split, name in (("validation", d.validation_file), ("test", d.test_file)):
             path = cfg.resolved_path(name)
             if path is not None:
                 files[split] = path
-        if d.label_files is None:
-            train = read_file(cfg, files["train"])
         val = read_file(cfg, files["validation"]) if "validation" in files else None
         test = read_file(cfg, files["test"]) if "test" in files else None
         src = {k: str(v) for k, v in files.items()}
-        src.setdefault("train", "data.label_files")
-    assert train is not None
-    train = _normalize(cfg, train, src["train"])
-    names, raw_to_name = _label_names(cfg, train["label"][:], src["train"])
     if val is not None:
         val = _normalize(cfg, val, src["validation"])
         _check_labels(val, raw_to_name, names, src["validation"])
@@ -767,7 +845,7 @@ def load_raw_splits(cfg: Config) -> RawSplits:
     if d.max_eval_samples is not None:
         val = val.select(range(min(d.max_eval_samples, len(val)))) if val is not None else None
         test = test.select(range(min(d.max_eval_samples, len(test)))) if test is not None else None
-    return RawSplits(train, val, test, names, raw_to_name, files, cfg.model.problem_type)
+    return RawSplits(train, val, test, names, raw_to_name, files, cfg.model.problem_type, rows.excluded)
 
 
 def _grouped_split(

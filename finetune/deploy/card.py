@@ -154,6 +154,7 @@ def model_card(
     memory: dict[str, Any] | None,
     name: str,
     has_matrix: bool,
+    excluded: int = 0,
 ) -> ModelCard:
     """README.md of final/: the metadata (`card_data`) as front matter, then the page.
 
@@ -168,6 +169,8 @@ def model_card(
     data += [f"| {split} | `{path.name}` | `{sha256.get(split, '-')}` |" for split, path in files.items()]
     if cfg.data.hub_dataset is not None and not files:
         data.append(f"| all | hub dataset `{cfg.data.hub_dataset}` | - |")
+    if excluded:
+        data += ["", f"{excluded} training rows were left out, as `data.exclude_rows` (the file above) lists them."]
     start = f"`{meta.base_model}`" if meta.base_model is not None else f"`{cfg.model.name_or_path}`"
     if cfg.model.architecture is not None:
         start = "a model built from scratch (`model.architecture`)"
@@ -230,11 +233,13 @@ def write_model_card(
     files: dict[str, Path],
     sha256: dict[str, str],
     memory: dict[str, Any] | None,
+    excluded: int = 0,
 ) -> None:
     """final/README.md, and final/confusion_matrix.png when the validation has a confusion matrix (and
-    `log.plots` is on)."""
+    `log.plots` is on); `excluded`: the training rows `data.exclude_rows` left out."""
     matrix = final.get("confusion_matrix") if cfg.log.plots else None
     if matrix:
         plot_confusion_matrix(matrix, label_names, out / CONFUSION_PNG)
     name = Path(cfg.run.output_dir).resolve().name
-    model_card(cfg, final, label_names, files, sha256, memory, name, bool(matrix)).save(out / "README.md")
+    card = model_card(cfg, final, label_names, files, sha256, memory, name, bool(matrix), excluded)
+    card.save(out / "README.md")

@@ -1,3 +1,4 @@
-"""Evaluation: metrics per problem type with bootstrap intervals and the one logits-to-prediction rule (`metrics`), and
-calibrated probabilities (`calibrate`). May import `core`, `config`, `model`, `data`, `training` and `memory`.
+"""Evaluation: metrics per problem type with bootstrap intervals and the one logits-to-prediction rule (`metrics`),
+calibrated probabilities (`calibrate`) and the likely wrong labels among out-of-sample probabilities (`issues`).
+May import `core`, `config`, `model`, `data`, `training` and `memory`.
 """

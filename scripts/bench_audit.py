@@ -1,0 +1,243 @@
+"""How well `finetune audit` finds flipped labels, and what training without the rows it flags gives back.
+
+Per data set, noise rate and seed: a copy of the training file with that share of labels flipped uniformly at
+random to another class (seeded), then side by side
+- `finetune audit` on the shipped config pointed at the noisy copy (MiniLM; `audit.*` defaults: 5 folds, one
+  epoch a fold, cleanlab's prune_by_noise_rate): precision and recall of the flagged rows against the flipped ones;
+- the cheap baseline: cleanlab on out-of-sample probabilities of TF-IDF (1-2 grams) + logistic regression, 5
+  stratified folds, the same filter;
+- the test accuracy of the shipped config trained on the noisy copy, on the noisy copy minus the flagged rows
+  (`data.exclude_rows`), and on the clean file (once a seed).
+
+Data: AG News (the 8,000-row balanced sample, scored on the 7,600-row test set) and the demo's SST-2 slice (the
+first 16,000 training rows, scored on the 872 dev sentences). Everything lands in --work (default
+/tmp/bench_audit); a rerun reuses finished audits and runs, so an interrupted bench continues.
+
+    .venv/bin/python scripts/bench_audit.py [--datasets agnews sst2] [--noise 0 0.1 0.2] [--seeds 0 1 2]
+        [--tfidf-only] [--record docs/results/audit.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from benchlib import ROOT, markdown_table, record_fields, train_run
+
+DATA = Path(os.environ.get("FINETUNE_DATA_DIR") or ROOT.parent / "shared" / "data")
+SETS: dict[str, dict[str, Any]] = {
+    "agnews": {
+        "name": "AG News 8,000",
+        "config": ROOT / "configs" / "agnews-minilm.yaml",
+        "file": DATA / "ag_news" / "train_8k.csv",
+        "delimiter": ",",
+        "text": "content",
+        "label": "label",
+        "rows": None,
+        "metric": ("test", "accuracy"),
+    },
+    "sst2": {
+        "name": "SST-2 demo slice (16,000)",
+        "config": ROOT / "configs" / "sst2-minilm.yaml",
+        "file": DATA / "sst2" / "train.tsv",
+        "delimiter": "\t",
+        "text": "sentence",
+        "label": "label",
+        "rows": 16_000,
+        "metric": (None, "accuracy"),
+    },
+}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "FINETUNE_DATA_DIR": str(DATA)}
+
+
+def read_rows(spec: dict[str, Any]) -> tuple[list[str], list[dict[str, str]]]:
+    """The header and rows of the training file (the first `rows` of them), as the shipped config reads it."""
+    quoting = csv.QUOTE_NONE if spec["delimiter"] == "\t" else csv.QUOTE_MINIMAL
+    with open(spec["file"], newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter=spec["delimiter"], quoting=quoting)
+        rows = list(reader)
+        header = list(reader.fieldnames or [])
+    return header, rows[: spec["rows"]] if spec["rows"] else rows
+
+
+def noisy_copy(spec: dict[str, Any], rate: float, seed: int, out: Path) -> set[int]:
+    """Write the training file with round(rate x rows) labels flipped to another class drawn uniformly; the
+    flipped rows (0-based data rows)."""
+    header, rows = read_rows(spec)
+    classes = sorted({r[spec["label"]] for r in rows})
+    rng = np.random.default_rng(seed)
+    flipped = set(rng.choice(len(rows), size=round(rate * len(rows)), replace=False).tolist())
+    for i in sorted(flipped):
+        others = [c for c in classes if c != rows[i][spec["label"]]]
+        rows[i] = {**rows[i], spec["label"]: others[int(rng.integers(len(others)))]}
+    quoting = csv.QUOTE_NONE if spec["delimiter"] == "\t" else csv.QUOTE_MINIMAL
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, header, delimiter=spec["delimiter"], quoting=quoting, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    return flipped
+
+
+def scores(flagged: set[int], flipped: set[int]) -> dict[str, float]:
+    hit = len(flagged & flipped)
+    p = hit / len(flagged) if flagged else 0.0
+    r = hit / len(flipped) if flipped else 0.0
+    return {"flagged": len(flagged), "precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0}
+
+
+def tfidf_flagged(path: Path, spec: dict[str, Any], seed: int) -> set[int]:
+    """cleanlab's label issues on 5-fold out-of-sample TF-IDF + logistic regression probabilities."""
+    from cleanlab.filter import find_label_issues
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold, cross_val_predict
+    from sklearn.pipeline import make_pipeline
+
+    _, rows = read_rows({**spec, "file": path, "rows": None})
+    texts = [r[spec["text"]] for r in rows]
+    classes = sorted({r[spec["label"]] for r in rows})
+    y = np.asarray([classes.index(r[spec["label"]]) for r in rows])
+    model = make_pipeline(
+        TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True), LogisticRegression(max_iter=2000, C=10.0)
+    )
+    probs = cross_val_predict(
+        model, texts, y, cv=StratifiedKFold(5, shuffle=True, random_state=seed), method="predict_proba"
+    )
+    return set(np.flatnonzero(find_label_issues(y, probs, filter_by="prune_by_noise_rate")).tolist())
+
+
+def audit(spec: dict[str, Any], path: Path, out: Path) -> tuple[set[int], float]:
+    """`finetune audit` on the shipped config with `path` as its training file: the flagged rows, the wall time."""
+    issues = out / "label_issues.csv"
+    start = time.perf_counter()
+    if not issues.is_file():
+        cmd = [sys.executable, "-m", "finetune.cli", "audit", "--config", str(spec["config"]),
+               f"data.train_file={path}", f"run.output_dir={out}"]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-3000:]}")
+        print(proc.stderr.strip().splitlines()[-2], file=sys.stderr, flush=True)
+    seconds = json.loads((out / "audit.json").read_text())["seconds"]
+    with open(issues, newline="", encoding="utf-8") as f:
+        return {int(r["row"]) for r in csv.DictReader(f)}, seconds if seconds else time.perf_counter() - start
+
+
+def accuracy(spec: dict[str, Any], path: Path, run_dir: Path, extra: list[str]) -> tuple[float, list[float]]:
+    """Test accuracy (and interval) of the shipped config trained on `path`; a finished run is read again."""
+    done = run_dir / "eval.json"
+    if not done.is_file():
+        train_run(spec["config"], [f"data.train_file={path}", *extra], run_dir)
+    ev = json.loads(done.read_text())
+    split, key = spec["metric"]
+    ev = ev[split] if split else ev
+    return ev[key], ev[f"{key}_ci"]
+
+
+def one(name: str, rate: float, seed: int, work: Path, tfidf_only: bool) -> dict[str, Any]:
+    spec = SETS[name]
+    cell = work / name / f"noise{int(round(100 * rate)):02d}-seed{seed}"
+    path = cell / ("train.tsv" if spec["delimiter"] == "\t" else "train.csv")
+    flipped = noisy_copy(spec, rate, seed, path)
+    start = time.perf_counter()
+    result: dict[str, Any] = {"dataset": name, "noise": rate, "seed": seed, "flipped": len(flipped)}
+    result["tfidf"] = scores(tfidf_flagged(path, spec, seed), flipped)
+    result["tfidf_seconds"] = time.perf_counter() - start
+    if tfidf_only:
+        return result
+    flagged, seconds = audit(spec, path, cell / "audit")
+    result["audit"] = scores(flagged, flipped)
+    result["audit_seconds"] = seconds
+    seed_args = [f"run.seed={42 + seed}"]
+    result["noisy"] = accuracy(spec, path, cell / "train-noisy", seed_args)
+    exclude = [f"data.exclude_rows={cell / 'audit' / 'label_issues.csv'}"]
+    result["cleaned"] = accuracy(spec, path, cell / "train-cleaned", seed_args + exclude)
+    clean = work / name / f"clean-seed{seed}"
+    result["clean"] = accuracy(spec, spec["file"], clean, seed_args)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=list(SETS), choices=list(SETS))
+    parser.add_argument("--noise", nargs="+", type=float, default=[0.0, 0.1, 0.2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_audit"))
+    parser.add_argument("--tfidf-only", action="store_true", help="the baseline alone (seconds, not hours)")
+    parser.add_argument("--record", type=Path, default=None, help="append the results to this records file")
+    args = parser.parse_args()
+    results = []
+    for name in args.datasets:
+        for rate in args.noise:
+            for seed in args.seeds:
+                r = one(name, rate, seed, args.work, args.tfidf_only)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    (args.work / "results.jsonl").open("a").write("".join(json.dumps(r) + "\n" for r in results))
+    print(table(results))
+    if args.record:
+        with args.record.open("a") as f:
+            for rec in records(results):
+                f.write(json.dumps(rec) + "\n")
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else float("nan")
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """One row per data set and noise rate, means over seeds."""
+    rows = []
+    for name in dict.fromkeys(r["dataset"] for r in results):
+        for rate in dict.fromkeys(r["noise"] for r in results if r["dataset"] == name):
+            group = [r for r in results if r["dataset"] == name and r["noise"] == rate]
+            row: list[Any] = [SETS[name]["name"], f"{100 * rate:.0f}%", len(group)]
+            for who in ("audit", "tfidf"):
+                got = [g[who] for g in group if who in g]
+                row += [_mean([g["precision"] for g in got]), _mean([g["recall"] for g in got])]
+                row += [_mean([g["f1"] for g in got]), _mean([g["flagged"] for g in got])]
+            for kind in ("noisy", "cleaned", "clean"):
+                row.append(_mean([g[kind][0] for g in group if kind in g]))
+            rows.append(row)
+    header = ["data", "noise", "seeds", "audit P", "audit R", "audit F1", "audit flagged", "tfidf P", "tfidf R",
+              "tfidf F1", "tfidf flagged", "acc noisy", "acc cleaned", "acc clean"]  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records for docs/results: per data set, noise rate and measure, the mean over seeds with every seed's value."""
+    out = []
+    for name in dict.fromkeys(r["dataset"] for r in results):
+        for rate in dict.fromkeys(r["noise"] for r in results if r["dataset"] == name):
+            group = [r for r in results if r["dataset"] == name and r["noise"] == rate]
+            seeds = [g["seed"] for g in group]
+            where = f"{SETS[name]['name']}, {100 * rate:.0f}% of labels flipped"
+            measures: list[tuple[str, str, list[float], Any]] = []
+            for who, label in (("audit", "`finetune audit` (MiniLM)"), ("tfidf", "TF-IDF + LR baseline")):
+                if all(who in g for g in group):
+                    for m in ("precision", "recall", "f1"):
+                        measures.append((f"{where}: {label}", f"flagged {m}", [g[who][m] for g in group], None))
+                    share = [g[who]["flagged"] / max(1, len(read_rows(SETS[name])[1])) for g in group]
+                    measures.append((f"{where}: {label}", "flagged share", share, None))
+            for kind, label in (("noisy", "trained on the noisy labels"), ("cleaned", "trained without the flagged "
+                                "rows"), ("clean", "trained on the clean labels")):  # fmt: skip
+                if all(kind in g for g in group):
+                    split, key = SETS[name]["metric"]
+                    metric = f"{split}.{key}" if split else key
+                    ci = group[len(group) // 2][kind][1]
+                    measures.append((f"{where}: {label}", metric, [g[kind][0] for g in group], ci))
+            for what, metric, values, ci in measures:
+                out.append(record_fields("audit", what, metric, float(np.median(values)), ci, seeds) | {"runs": values})
+    return out
+
+
+if __name__ == "__main__":
+    main()
