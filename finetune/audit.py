@@ -33,11 +33,13 @@ from finetune.config.files import apply_overrides, dump_config, validate_config
 from finetune.config.schema import Config
 from finetune.config.tasks import MULTI, REGRESSION, SINGLE
 from finetune.core.errors import UserError
-from finetune.data.reading import EXCLUDE_COLUMN, TrainRows, read_train_rows
+from finetune.data.reading import EXCLUDE_COLUMN, LabelTarget, TrainRows, read_train_rows
 from finetune.deploy.final import load_final
 from finetune.deploy.predict import model_logits
 from finetune.evaluation.issues import LabelIssue, find_label_issues, label_text, swap_counts
 from finetune.evaluation.metrics import predictions
+from finetune.init.recipe import step_seconds
+from finetune.model.load import build_tokenizer
 from finetune.train import train
 from finetune.training.runtime import PreemptionGuard
 
@@ -172,9 +174,6 @@ def holdout_logits(final: Path, texts: list[str], pairs: list[str] | None) -> np
 def estimate_line(cfg: Config, rows: TrainRows) -> str:
     """What the audit will run and, where a training step can be timed here (`init.recipe.step_seconds`), how long
     it should take (the folds' planned steps; predicting counts as a third of a step a batch)."""
-    from finetune.init.recipe import step_seconds
-    from finetune.model.load import build_tokenizer
-
     k, n = cfg.audit.folds, len(rows.rows)
     t, d = cfg.train, cfg.data
     epochs = cfg.audit.epochs or t.epochs
@@ -197,7 +196,9 @@ def estimate_line(cfg: Config, rows: TrainRows) -> str:
         return line
     per_fold = steps * seconds + math.ceil(n / k) / batch * seconds / 3
     cap = f" (train.max_minutes caps a fold at {t.max_minutes:g})" if t.max_minutes else ""
-    return line + f"; about {k * per_fold / 60:.0f} minutes at {seconds:.2f} s a step measured here{cap}"
+    total = k * per_fold
+    took = f"{total / 60:.0f} minutes" if total >= 120 else f"{total:.0f} s"
+    return line + f"; about {took} at {seconds:.2f} s a step measured here{cap}"
 
 
 def run_audit(cfg: Config, minutes: float | None = None) -> dict[str, Any]:
@@ -241,8 +242,6 @@ def run_audit(cfg: Config, minutes: float | None = None) -> dict[str, Any]:
 
 
 def _target(cfg: Config, rows: TrainRows) -> Any:
-    from finetune.data.reading import LabelTarget
-
     return LabelTarget(cfg.model.problem_type, tuple(rows.label_names), tuple(sorted(rows.raw_to_name.items())))
 
 

@@ -57,9 +57,10 @@ def find_label_issues(
     cl = _cleanlab()
     probs = np.asarray(probs, dtype=np.float64)
     if problem_type == MULTI:
+        from cleanlab.multilabel_classification.filter import find_label_issues as find_multi
         from cleanlab.multilabel_classification.rank import get_label_quality_scores
 
-        flagged = cl.filter.find_label_issues(labels=labels, pred_probs=probs, multi_label=True, filter_by=filter_by)
+        flagged = find_multi(labels=labels, pred_probs=probs, filter_by=filter_by)
         scores = get_label_quality_scores(labels, probs, method="self_confidence")
         suggested = [[j for j in range(probs.shape[1]) if probs[i, j] >= 0.5] for i in range(len(labels))]
     else:
