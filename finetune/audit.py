@@ -4,7 +4,7 @@ The training rows are read exactly as `finetune train` reads them (the same conf
 `data.exclude_rows` applied, the first `data.max_train_samples` rows when it is set) and dealt into
 `audit.folds` seeded folds, stratified by label. Fold k is an ordinary run of `train.train` in
 `<run.output_dir>/fold-<k>/` on the rows of the other folds (`data.exclude_rows` leaves fold k out; the config's
-validation, early stopping, precision and checkpoints as they are; `audit.epochs` passes; no test split), after
+validation, early stopping, precision and checkpoints as they are; `fold_epochs` passes; no test split), after
 which its final/ predicts fold k's rows. Every row so gets probabilities from a model that never saw it, and
 confident learning (`evaluation.issues`, cleanlab) picks the rows whose given label they contradict.
 
@@ -38,7 +38,7 @@ from finetune.deploy.final import load_final
 from finetune.deploy.predict import model_logits
 from finetune.evaluation.issues import LabelIssue, find_label_issues, label_text, swap_counts
 from finetune.evaluation.metrics import predictions
-from finetune.init.recipe import step_seconds
+from finetune.init.recipe import SEEN_PER_CLASS, step_seconds
 from finetune.model.load import build_tokenizer
 from finetune.train import train
 from finetune.training.runtime import PreemptionGuard
@@ -125,9 +125,21 @@ def prepare_dir(cfg: Config) -> Path:
     return out
 
 
-def fold_config(cfg: Config, fold_dir: Path, exclude: Path, max_minutes: float | None) -> Config:
+def fold_epochs(cfg: Config, rows: TrainRows) -> float:
+    """The passes each fold trains: `audit.epochs`, or by init's rule each class seen about SEEN_PER_CLASS times
+    over a fold's run, at least one pass and at most `train.epochs` (large data: one pass, K passes in all; a few
+    hundred rows a class: the passes a model needs to learn them at all)."""
+    if cfg.audit.epochs is not None:
+        return cfg.audit.epochs
+    k, n = cfg.audit.folds, len(rows.rows)
+    classes = max(1, len(rows.label_names))
+    per_class = n * (k - 1) / k * (1 - (cfg.data.validation_split or 0.0)) / classes
+    return float(min(cfg.train.epochs, max(1, math.ceil(SEEN_PER_CLASS / max(1.0, per_class)))))
+
+
+def fold_config(cfg: Config, fold_dir: Path, exclude: Path, epochs: float, max_minutes: float | None) -> Config:
     """Fold k's training run: `cfg` writing into `fold_dir`, leaving out the rows `exclude` lists, resumable, no test
-    split, `audit.epochs` passes, and `max_minutes` (the audit's budget share) when tighter than the config's."""
+    split, `epochs` passes, and `max_minutes` (the audit's budget share) when tighter than the config's."""
     raw = cfg.model_dump(mode="json")
     t = cfg.train
     budget = min(x for x in (t.max_minutes, max_minutes) if x is not None) if (t.max_minutes or max_minutes) else None
@@ -139,8 +151,7 @@ def fold_config(cfg: Config, fold_dir: Path, exclude: Path, max_minutes: float |
         "data.test_file": None,
         "data.hub_test_split": None,
         "checkpoint.resume": "auto",
-        "train.epochs": cfg.audit.epochs or t.epochs,
-        "train.max_steps": None if cfg.audit.epochs else t.max_steps,
+        "train.epochs": epochs,
         "train.max_minutes": budget,
     }
     raw = apply_overrides(raw, [f"{k}={json.dumps(v)}" for k, v in updates.items()])
@@ -176,7 +187,7 @@ def estimate_line(cfg: Config, rows: TrainRows) -> str:
     it should take (the folds' planned steps; predicting counts as a third of a step a batch)."""
     k, n = cfg.audit.folds, len(rows.rows)
     t, d = cfg.train, cfg.data
-    epochs = cfg.audit.epochs or t.epochs
+    epochs = fold_epochs(cfg, rows)
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 8
     batch = t.batch_size or micro * t.gradient_accumulation_steps
     fold_rows = n - math.ceil(n / k)
@@ -275,7 +286,7 @@ def _fold(
     if minutes is not None:
         left = minutes - (time.perf_counter() - started) / 60
         share = max(0.5, 0.9 * left / folds_left)  # a tenth kept for the folds' predictions
-    fcfg = fold_config(cfg, fold_dir, exclude, share)
+    fcfg = fold_config(cfg, fold_dir, exclude, fold_epochs(cfg, rows), share)
     logger.info(f"audit: {fold_dir.name} trains on {len(kept):,} rows, {len(held):,} held out")
     train(fcfg, guard)
     held_pairs = [pairs[i] for i in held] if pairs is not None else None

@@ -665,9 +665,10 @@ class AuditConfig(_Section):
         json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     epochs: PositiveFloat | None = Field(
-        1.0,
-        description="passes over each fold's training rows (null: train.epochs); a network fits the shared pattern "
-        "of the data before it memorizes wrong labels, and one pass keeps the audit at K passes over the data",
+        None,
+        description="passes over each fold's training rows; null: each class seen about 800 times over a fold's run "
+        "(init's rule), at least 1 and at most train.epochs: large data trains one pass a fold (K passes in all), "
+        "a few hundred rows a class the passes a model needs to learn them",
         json_schema_extra=MAY_CHANGE_ON_RESUME,
     )
     filter_by: Literal["prune_by_noise_rate", "prune_by_class", "both", "confident_learning", "predicted_neq_given"] = (
