@@ -14,7 +14,7 @@ first 16,000 training rows, scored on the 872 dev sentences). Everything lands i
 /tmp/bench_audit); a rerun reuses finished audits and runs, so an interrupted bench continues.
 
     .venv/bin/python scripts/bench_audit.py [--datasets agnews sst2] [--noise 0 0.1 0.2] [--seeds 0 1 2]
-        [--tfidf-only] [--record docs/results/audit.jsonl]
+        [--tfidf-only] [--work DIR] [--summarize] [--record docs/results/audit.jsonl]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -54,6 +55,19 @@ SETS: dict[str, dict[str, Any]] = {
         "rows": 16_000,
         "metric": (None, "accuracy"),
     },
+    # a new user's path: `finetune init` on a folder of train.csv (2,000 SST-2 training sentences after the demo's
+    # slice, labels flipped) and test.csv (the 872 dev sentences), then audit and train with the config it wrote
+    "sst2-init": {
+        "name": "SST-2 2,000 through `finetune init`",
+        "config": None,
+        "file": DATA / "sst2" / "train.tsv",
+        "delimiter": "\t",
+        "text": "sentence",
+        "label": "label",
+        "rows": (20_000, 22_000),
+        "test": DATA / "sst2" / "dev.tsv",
+        "metric": ("test", "accuracy"),
+    },
 }
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "FINETUNE_DATA_DIR": str(DATA)}
 
@@ -65,23 +79,28 @@ def read_rows(spec: dict[str, Any]) -> tuple[list[str], list[dict[str, str]]]:
         reader = csv.DictReader(f, delimiter=spec["delimiter"], quoting=quoting)
         rows = list(reader)
         header = list(reader.fieldnames or [])
+    if isinstance(spec["rows"], tuple):
+        return header, rows[spec["rows"][0] : spec["rows"][1]]
     return header, rows[: spec["rows"]] if spec["rows"] else rows
 
 
-def noisy_copy(spec: dict[str, Any], rate: float, seed: int, out: Path) -> set[int]:
-    """Write the training file with round(rate x rows) labels flipped to another class drawn uniformly; the
-    flipped rows (0-based data rows)."""
+def noisy_copy(spec: dict[str, Any], rate: float, seed: int, out: Path, clean: bool = False) -> set[int]:
+    """Write the training file with round(rate x rows) labels flipped to another class drawn uniformly (none with
+    `clean`); the flipped rows (0-based data rows)."""
     header, rows = read_rows(spec)
+    if clean:
+        rate = 0.0
     classes = sorted({r[spec["label"]] for r in rows})
     rng = np.random.default_rng(seed)
     flipped = set(rng.choice(len(rows), size=round(rate * len(rows)), replace=False).tolist())
     for i in sorted(flipped):
         others = [c for c in classes if c != rows[i][spec["label"]]]
         rows[i] = {**rows[i], spec["label"]: others[int(rng.integers(len(others)))]}
-    quoting = csv.QUOTE_NONE if spec["delimiter"] == "\t" else csv.QUOTE_MINIMAL
+    tsv = out.suffix == ".tsv"
+    quoting = csv.QUOTE_NONE if tsv else csv.QUOTE_MINIMAL
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, header, delimiter=spec["delimiter"], quoting=quoting, lineterminator="\n")
+        w = csv.DictWriter(f, header, delimiter="\t" if tsv else ",", quoting=quoting, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     return flipped
@@ -102,7 +121,7 @@ def tfidf_flagged(path: Path, spec: dict[str, Any], seed: int) -> set[int]:
     from sklearn.model_selection import StratifiedKFold, cross_val_predict
     from sklearn.pipeline import make_pipeline
 
-    _, rows = read_rows({**spec, "file": path, "rows": None})
+    _, rows = read_rows({**spec, "file": path, "rows": None, "delimiter": "\t" if path.suffix == ".tsv" else ","})
     texts = [r[spec["text"]] for r in rows]
     classes = sorted({r[spec["label"]] for r in rows})
     y = np.asarray([classes.index(r[spec["label"]]) for r in rows])
@@ -115,12 +134,36 @@ def tfidf_flagged(path: Path, spec: dict[str, Any], seed: int) -> set[int]:
     return set(np.flatnonzero(find_label_issues(y, probs, filter_by="prune_by_noise_rate")).tolist())
 
 
-def audit(spec: dict[str, Any], path: Path, out: Path) -> tuple[set[int], float]:
-    """`finetune audit` on the shipped config with `path` as its training file: the flagged rows, the wall time."""
+def cli(args: list[str]) -> None:
+    """`finetune ARGS` offline from the project root; its last line of stderr printed."""
+    cmd = [sys.executable, "-m", "finetune.cli", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-3000:]}")
+    print(proc.stderr.strip().splitlines()[-1], file=sys.stderr, flush=True)
+
+
+def init_config(spec: dict[str, Any], path: Path, folder: Path) -> Path:
+    """`finetune init` on a folder of train.csv (the noisy copy) and test.csv: the config it writes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, folder / "train.csv")
+    _, rows = read_rows({**spec, "file": spec["test"], "rows": None})
+    with open(folder / "test.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, [spec["text"], spec["label"]], lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    out = folder.parent / "init.yaml"
+    if not out.is_file():
+        cli(["init", str(folder), "-o", str(out)])
+    return out
+
+
+def audit(config: Path, path: Path, out: Path) -> tuple[set[int], float]:
+    """`finetune audit` on `config` with `path` as its training file: the flagged rows, the wall time."""
     issues = out / "label_issues.csv"
     start = time.perf_counter()
     if not issues.is_file():
-        cmd = [sys.executable, "-m", "finetune.cli", "audit", "--config", str(spec["config"]),
+        cmd = [sys.executable, "-m", "finetune.cli", "audit", "--config", str(config),
                f"data.train_file={path}", f"run.output_dir={out}"]  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -131,11 +174,13 @@ def audit(spec: dict[str, Any], path: Path, out: Path) -> tuple[set[int], float]
         return {int(r["row"]) for r in csv.DictReader(f)}, seconds if seconds else time.perf_counter() - start
 
 
-def accuracy(spec: dict[str, Any], path: Path, run_dir: Path, extra: list[str]) -> tuple[float, list[float]]:
-    """Test accuracy (and interval) of the shipped config trained on `path`; a finished run is read again."""
+def accuracy(
+    spec: dict[str, Any], config: Path, path: Path, run_dir: Path, extra: list[str]
+) -> tuple[float, list[float]]:
+    """Test accuracy (and interval) of `config` trained on `path`; a finished run is read again."""
     done = run_dir / "eval.json"
     if not done.is_file():
-        train_run(spec["config"], [f"data.train_file={path}", *extra], run_dir)
+        train_run(config, [f"data.train_file={path}", *extra], run_dir)
     ev = json.loads(done.read_text())
     split, key = spec["metric"]
     ev = ev[split] if split else ev
@@ -145,7 +190,8 @@ def accuracy(spec: dict[str, Any], path: Path, run_dir: Path, extra: list[str]) 
 def one(name: str, rate: float, seed: int, work: Path, tfidf_only: bool) -> dict[str, Any]:
     spec = SETS[name]
     cell = work / name / f"noise{int(round(100 * rate)):02d}-seed{seed}"
-    path = cell / ("train.tsv" if spec["delimiter"] == "\t" else "train.csv")
+    init = spec["config"] is None
+    path = cell / ("train.tsv" if spec["delimiter"] == "\t" and not init else "train.csv")
     flipped = noisy_copy(spec, rate, seed, path)
     start = time.perf_counter()
     result: dict[str, Any] = {"dataset": name, "noise": rate, "seed": seed, "flipped": len(flipped)}
@@ -153,15 +199,19 @@ def one(name: str, rate: float, seed: int, work: Path, tfidf_only: bool) -> dict
     result["tfidf_seconds"] = time.perf_counter() - start
     if tfidf_only:
         return result
-    flagged, seconds = audit(spec, path, cell / "audit")
+    config = init_config(spec, path, cell / "data") if init else spec["config"]
+    flagged, seconds = audit(config, path, cell / "audit")
     result["audit"] = scores(flagged, flipped)
     result["audit_seconds"] = seconds
     seed_args = [f"run.seed={42 + seed}"]
-    result["noisy"] = accuracy(spec, path, cell / "train-noisy", seed_args)
-    exclude = [f"data.exclude_rows={cell / 'audit' / 'label_issues.csv'}"]
-    result["cleaned"] = accuracy(spec, path, cell / "train-cleaned", seed_args + exclude)
     clean = work / name / f"clean-seed{seed}"
-    result["clean"] = accuracy(spec, spec["file"], clean, seed_args)
+    clean_path = clean.with_suffix(path.suffix)
+    noisy_copy(spec, 0.0, seed, clean_path, clean=True)  # the same rows, their own labels
+    result["clean"] = accuracy(spec, config, clean_path, clean, seed_args)
+    # no flipped label: the noisy copy is the clean file, and so is its run
+    result["noisy"] = accuracy(spec, config, path, cell / "train-noisy", seed_args) if flipped else result["clean"]
+    exclude = [f"data.exclude_rows={cell / 'audit' / 'label_issues.csv'}"]
+    result["cleaned"] = accuracy(spec, config, path, cell / "train-cleaned", seed_args + exclude)
     return result
 
 
@@ -173,15 +223,23 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_audit"))
     parser.add_argument("--tfidf-only", action="store_true", help="the baseline alone (seconds, not hours)")
     parser.add_argument("--record", type=Path, default=None, help="append the results to this records file")
+    parser.add_argument(
+        "--summarize", action="store_true", help="run nothing: the table (and --record) from --work's results.jsonl"
+    )
     args = parser.parse_args()
-    results = []
-    for name in args.datasets:
-        for rate in args.noise:
-            for seed in args.seeds:
-                r = one(name, rate, seed, args.work, args.tfidf_only)
-                results.append(r)
-                print(json.dumps(r), flush=True)
-    (args.work / "results.jsonl").open("a").write("".join(json.dumps(r) + "\n" for r in results))
+    saved = args.work / "results.jsonl"
+    if args.summarize:
+        results = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
+    else:
+        results = []
+        for name in args.datasets:
+            for rate in args.noise:
+                for seed in args.seeds:
+                    r = one(name, rate, seed, args.work, args.tfidf_only)
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+                    with saved.open("a") as f:  # each result as it comes: a long bench survives an interruption
+                        f.write(json.dumps(r) + "\n")
     print(table(results))
     if args.record:
         with args.record.open("a") as f:
