@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -332,11 +333,11 @@ def _cmd_audit(argv: list[str]) -> int:
         )
         return exc.exit_code
     print(summary_line(summary), file=sys.stderr)
-    overrides = " ".join(args.overrides)
+    kept = [o for o in args.overrides if not o.startswith(("run.output_dir=", "audit."))]  # the audit's own keys
+    again = ["finetune", "train", "--config", args.config, *kept, f"data.exclude_rows={summary['issues_file']}"]
     print(
-        f"train without them: finetune train --config {args.config} {overrides + ' ' if overrides else ''}"
-        f"data.exclude_rows={summary['issues_file']} run.output_dir={cfg.run.output_dir}-clean "
-        "(or edit the file first: only its `row` column counts)",
+        f"train without them: {shlex.join([*again, f'run.output_dir={cfg.run.output_dir}-clean'])} (or edit the "
+        "file first: its `row` column lists the rows left out)",
         file=sys.stderr,
     )
     return 0

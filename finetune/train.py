@@ -390,7 +390,8 @@ def run_window(run: Run, batches: Any) -> str:
             faults.oom_point("oom_at_step", progress.step + 1, (progress.batches_in_epoch - 1) % G, G)
             logits = packed_logits(run.model, batch) if cfg.data.packing else run.model(**batch).logits
             gamma = cfg.train.focal_gamma if cfg.train.loss == "focal" else None
-            loss_per_sample = fp32_per_sample_loss(logits, labels, cfg.model.problem_type, gamma)
+            smooth = cfg.train.label_smoothing
+            loss_per_sample = fp32_per_sample_loss(logits, labels, cfg.model.problem_type, gamma, smooth)
             per_sample = faults.nonfinite_point(loss_per_sample * weight, progress.step + 1)
             acc.backward(window_loss(per_sample, window_samples, G, P))  # exact accumulation, tail window included
         if run.oom.hit:

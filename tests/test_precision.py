@@ -32,6 +32,7 @@ from finetune.model.precision import (
     find_norm_modules,
     format_audit,
     fp32_cross_entropy,
+    fp32_per_sample_loss,
     recompile_limit_hits,
     release_cached_memory,
     stochastic_round_,
@@ -111,6 +112,17 @@ def test_each_mode_loss_is_fp32_and_finite(mode: str) -> None:
     # fp32 cross-entropy of bf16 logits equals the fp32 computation on the same (upcast) values
     ref = nn.functional.cross_entropy(logits.detach().double(), torch.tensor([0, 1, 1, 0]), reduction="none")
     torch.testing.assert_close(loss.detach().double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_label_smoothing_is_the_mixed_target_cross_entropy_in_fp32() -> None:
+    # (1 - e) x -log p_label + e x the mean over classes of -log p_k, written out in float64
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.1, 0.2, 3.0]], dtype=torch.bfloat16)
+    labels, e = torch.tensor([0, 1]), 0.2
+    loss = fp32_per_sample_loss(logits, labels, "single_label_classification", label_smoothing=e)
+    logp = torch.log_softmax(logits.double(), -1)
+    ref = (1 - e) * -logp[torch.arange(2), labels] + e * -logp.mean(-1)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
 
 
 def test_fp16_autocast_cpu_loss_is_fp32() -> None:

@@ -421,6 +421,13 @@ class TrainConfig(_Section):
         description="focal = cross-entropy x (1 - p_true)^focal_gamma (single-label; per label for multi-label)",
     )
     focal_gamma: float = Field(2.0, ge=0.0, description="train.loss=focal: how strongly easy samples are down-weighted")
+    label_smoothing: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="single-label cross-entropy against (1 - e) x the label + e spread evenly over the classes "
+        "(torch's label_smoothing); 0: none",
+    )
     early_stopping_patience: PositiveInt | None = Field(
         None, description="stop after this many evaluations without improving checkpoint.best_metric"
     )
@@ -777,6 +784,8 @@ class Config(_Section):
             raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
         if kind == REGRESSION and self.train.loss == "focal":
             raise ValueError("train.loss=focal is a classification loss; model.problem_type=regression uses MSE")
+        if self.train.label_smoothing and (kind != SINGLE or self.train.loss == "focal"):
+            raise ValueError("train.label_smoothing smooths single-label cross-entropy, not focal, multi-label or MSE")
         if d.truncation is not None and d.chunk_stride is not None:
             raise ValueError("data.truncation and data.chunk_stride exclude each other: chunks keep every token")
         if d.chunk_stride is not None and d.chunk_stride >= d.max_length:

@@ -108,15 +108,19 @@ def fp32_norms_enabled(mode: str, fp32_norms: bool | None) -> bool:
     return mode == "bf16-true" if fp32_norms is None else fp32_norms
 
 
-def fp32_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def fp32_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-sample cross-entropy computed in fp32 from upcast logits (F.cross_entropy has no dtype=)."""
-    return F.cross_entropy(logits.float(), labels, reduction="none")
+    return F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
 
 
 def fp32_per_sample_loss(
-    logits: torch.Tensor, labels: torch.Tensor, problem_type: str, focal_gamma: float | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    problem_type: str,
+    focal_gamma: float | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """One fp32 loss per sample, from upcast logits: cross-entropy (single-label), binary
+    """One fp32 loss per sample, from upcast logits: cross-entropy (single-label, with `label_smoothing`), binary
     cross-entropy averaged over the labels (multi-label), squared error (regression, one output).
     With `focal_gamma` the classification losses are focal: each term times (1 - p_true)^gamma,
     p_true = exp(-term), so confidently right samples weigh little.
@@ -128,7 +132,7 @@ def fp32_per_sample_loss(
     if problem_type == "multi_label_classification":
         terms = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="none")
     else:
-        terms = fp32_cross_entropy(logits, labels)
+        terms = fp32_cross_entropy(logits, labels, label_smoothing)
     if focal_gamma is not None:
         terms = (1.0 - torch.exp(-terms)) ** focal_gamma * terms
     return terms.mean(-1) if problem_type == "multi_label_classification" else terms
