@@ -14,7 +14,7 @@ first 16,000 training rows, scored on the 872 dev sentences). Everything lands i
 /tmp/bench_audit); a rerun reuses finished audits and runs, so an interrupted bench continues.
 
     .venv/bin/python scripts/bench_audit.py [--datasets agnews sst2] [--noise 0 0.1 0.2] [--seeds 0 1 2]
-        [--tfidf-only] [--work DIR] [--summarize] [--record docs/results/audit.jsonl]
+        [--tfidf-only] [--variant KEY=VALUE ...] [--work DIR] [--summarize] [--record docs/results/audit.jsonl]
 """
 
 from __future__ import annotations
@@ -187,7 +187,9 @@ def accuracy(
     return ev[key], ev[f"{key}_ci"]
 
 
-def one(name: str, rate: float, seed: int, work: Path, tfidf_only: bool) -> dict[str, Any]:
+def one(name: str, rate: float, seed: int, work: Path, tfidf_only: bool, variant: list[str]) -> dict[str, Any]:
+    """One data set, noise rate and seed. With `variant` (training overrides), only the trainings on the noisy
+    and the clean labels, with those overrides, in run directories of their own (the training-under-noise rows)."""
     spec = SETS[name]
     cell = work / name / f"noise{int(round(100 * rate)):02d}-seed{seed}"
     init = spec["config"] is None
@@ -195,23 +197,29 @@ def one(name: str, rate: float, seed: int, work: Path, tfidf_only: bool) -> dict
     flipped = noisy_copy(spec, rate, seed, path)
     start = time.perf_counter()
     result: dict[str, Any] = {"dataset": name, "noise": rate, "seed": seed, "flipped": len(flipped)}
+    config = init_config(spec, path, cell / "data") if init else spec["config"]
+    tag = "-".join(v.replace("=", "") for v in variant)
+    clean = work / name / (f"clean-seed{seed}" + (f"-{tag}" if tag else ""))
+    clean_path = work / name / f"clean-seed{seed}{path.suffix}"
+    noisy_copy(spec, 0.0, seed, clean_path, clean=True)  # the same rows, their own labels
+    run_args = [f"run.seed={42 + seed}", *variant]
+    if variant:
+        result["variant"] = variant
+        result["clean"] = accuracy(spec, config, clean_path, clean, run_args)
+        result["noisy"] = accuracy(spec, config, path, cell / f"train-noisy-{tag}", run_args)
+        return result
     result["tfidf"] = scores(tfidf_flagged(path, spec, seed), flipped)
     result["tfidf_seconds"] = time.perf_counter() - start
     if tfidf_only:
         return result
-    config = init_config(spec, path, cell / "data") if init else spec["config"]
     flagged, seconds = audit(config, path, cell / "audit")
     result["audit"] = scores(flagged, flipped)
     result["audit_seconds"] = seconds
-    seed_args = [f"run.seed={42 + seed}"]
-    clean = work / name / f"clean-seed{seed}"
-    clean_path = clean.with_suffix(path.suffix)
-    noisy_copy(spec, 0.0, seed, clean_path, clean=True)  # the same rows, their own labels
-    result["clean"] = accuracy(spec, config, clean_path, clean, seed_args)
+    result["clean"] = accuracy(spec, config, clean_path, clean, run_args)
     # no flipped label: the noisy copy is the clean file, and so is its run
-    result["noisy"] = accuracy(spec, config, path, cell / "train-noisy", seed_args) if flipped else result["clean"]
+    result["noisy"] = accuracy(spec, config, path, cell / "train-noisy", run_args) if flipped else result["clean"]
     exclude = [f"data.exclude_rows={cell / 'audit' / 'label_issues.csv'}"]
-    result["cleaned"] = accuracy(spec, config, path, cell / "train-cleaned", seed_args + exclude)
+    result["cleaned"] = accuracy(spec, config, path, cell / "train-cleaned", run_args + exclude)
     return result
 
 
@@ -224,6 +232,12 @@ def main() -> None:
     parser.add_argument("--tfidf-only", action="store_true", help="the baseline alone (seconds, not hours)")
     parser.add_argument("--record", type=Path, default=None, help="append the results to this records file")
     parser.add_argument(
+        "--variant",
+        nargs="+",
+        default=[],
+        help="training overrides (e.g. train.label_smoothing=0.1): only the noisy and clean trainings, with them",
+    )
+    parser.add_argument(
         "--summarize", action="store_true", help="run nothing: the table (and --record) from --work's results.jsonl"
     )
     args = parser.parse_args()
@@ -235,7 +249,7 @@ def main() -> None:
         for name in args.datasets:
             for rate in args.noise:
                 for seed in args.seeds:
-                    r = one(name, rate, seed, args.work, args.tfidf_only)
+                    r = one(name, rate, seed, args.work, args.tfidf_only, args.variant)
                     results.append(r)
                     print(json.dumps(r), flush=True)
                     with saved.open("a") as f:  # each result as it comes: a long bench survives an interruption
@@ -251,49 +265,56 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else float("nan")
 
 
+def _key(r: dict[str, Any]) -> tuple[str, float, str]:
+    return r["dataset"], r["noise"], " ".join(r.get("variant", []))
+
+
+def groups(results: list[dict[str, Any]]) -> list[tuple[str, float, str, list[dict[str, Any]]]]:
+    """The results by data set, noise rate and training variant ('' for the shipped recipe), in first-seen order."""
+    return [(*k, [r for r in results if _key(r) == k]) for k in dict.fromkeys(map(_key, results))]
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    """One row per data set and noise rate, means over seeds."""
+    """One row per data set, noise rate and training variant, means over seeds."""
     rows = []
-    for name in dict.fromkeys(r["dataset"] for r in results):
-        for rate in dict.fromkeys(r["noise"] for r in results if r["dataset"] == name):
-            group = [r for r in results if r["dataset"] == name and r["noise"] == rate]
-            row: list[Any] = [SETS[name]["name"], f"{100 * rate:.0f}%", len(group)]
-            for who in ("audit", "tfidf"):
-                got = [g[who] for g in group if who in g]
-                row += [_mean([g["precision"] for g in got]), _mean([g["recall"] for g in got])]
-                row += [_mean([g["f1"] for g in got]), _mean([g["flagged"] for g in got])]
-            for kind in ("noisy", "cleaned", "clean"):
-                row.append(_mean([g[kind][0] for g in group if kind in g]))
-            rows.append(row)
-    header = ["data", "noise", "seeds", "audit P", "audit R", "audit F1", "audit flagged", "tfidf P", "tfidf R",
-              "tfidf F1", "tfidf flagged", "acc noisy", "acc cleaned", "acc clean"]  # fmt: skip
+    for name, rate, variant, group in groups(results):
+        row: list[Any] = [SETS[name]["name"], f"{100 * rate:.0f}%", variant or "as shipped", len(group)]
+        for who in ("audit", "tfidf"):
+            got = [g[who] for g in group if who in g]
+            row += [_mean([g["precision"] for g in got]), _mean([g["recall"] for g in got])]
+            row += [_mean([g["f1"] for g in got]), _mean([g["flagged"] for g in got])]
+        for kind in ("noisy", "cleaned", "clean"):
+            row.append(_mean([g[kind][0] for g in group if kind in g]))
+        rows.append(row)
+    header = ["data", "noise", "training", "seeds", "audit P", "audit R", "audit F1", "audit flagged", "tfidf P",
+              "tfidf R", "tfidf F1", "tfidf flagged", "acc noisy", "acc cleaned", "acc clean"]  # fmt: skip
     return markdown_table(header, rows)
 
 
 def records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records for docs/results: per data set, noise rate and measure, the mean over seeds with every seed's value."""
+    """Records for docs/results: per data set, noise rate, variant and measure, the median over seeds with every
+    seed's value."""
     out = []
-    for name in dict.fromkeys(r["dataset"] for r in results):
-        for rate in dict.fromkeys(r["noise"] for r in results if r["dataset"] == name):
-            group = [r for r in results if r["dataset"] == name and r["noise"] == rate]
-            seeds = [g["seed"] for g in group]
-            where = f"{SETS[name]['name']}, {100 * rate:.0f}% of labels flipped"
-            measures: list[tuple[str, str, list[float], Any]] = []
-            for who, label in (("audit", "`finetune audit` (MiniLM)"), ("tfidf", "TF-IDF + LR baseline")):
-                if all(who in g for g in group):
-                    for m in ("precision", "recall", "f1"):
-                        measures.append((f"{where}: {label}", f"flagged {m}", [g[who][m] for g in group], None))
-                    share = [g[who]["flagged"] / max(1, len(read_rows(SETS[name])[1])) for g in group]
-                    measures.append((f"{where}: {label}", "flagged share", share, None))
-            for kind, label in (("noisy", "trained on the noisy labels"), ("cleaned", "trained without the flagged "
-                                "rows"), ("clean", "trained on the clean labels")):  # fmt: skip
-                if all(kind in g for g in group):
-                    split, key = SETS[name]["metric"]
-                    metric = f"{split}.{key}" if split else key
-                    ci = group[len(group) // 2][kind][1]
-                    measures.append((f"{where}: {label}", metric, [g[kind][0] for g in group], ci))
-            for what, metric, values, ci in measures:
-                out.append(record_fields("audit", what, metric, float(np.median(values)), ci, seeds) | {"runs": values})
+    for name, rate, variant, group in groups(results):
+        seeds = [g["seed"] for g in group]
+        where = f"{SETS[name]['name']}, {100 * rate:.0f}% of labels flipped"
+        measures: list[tuple[str, str, list[float], Any]] = []
+        for who, label in (("audit", "`finetune audit` (MiniLM)"), ("tfidf", "TF-IDF + LR baseline")):
+            if all(who in g for g in group):
+                for m in ("precision", "recall", "f1"):
+                    measures.append((f"{where}: {label}", f"flagged {m}", [g[who][m] for g in group], None))
+                rows = len(read_rows(SETS[name])[1])
+                measures.append((f"{where}: {label}", "flagged share", [g[who]["flagged"] / rows for g in group], None))
+        recipe = f" with `{variant}`" if variant else ""
+        for kind, label in (("noisy", "trained on the noisy labels"), ("cleaned", "trained without the flagged rows"),
+                            ("clean", "trained on the clean labels")):  # fmt: skip
+            if all(kind in g for g in group):
+                split, key = SETS[name]["metric"]
+                metric = f"{split}.{key}" if split else key
+                ci = group[len(group) // 2][kind][1]
+                measures.append((f"{where}: {label}{recipe}", metric, [g[kind][0] for g in group], ci))
+        for what, metric, values, ci in measures:
+            out.append(record_fields("audit", what, metric, float(np.median(values)), ci, seeds) | {"runs": values})
     return out
 
 
