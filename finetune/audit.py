@@ -15,6 +15,7 @@ from its finished folds, and the unfinished fold resumes from its last checkpoin
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -36,7 +37,7 @@ from finetune.core.errors import UserError
 from finetune.data.reading import EXCLUDE_COLUMN, LabelTarget, TrainRows, read_train_rows
 from finetune.deploy.final import load_final
 from finetune.deploy.predict import model_logits
-from finetune.evaluation.issues import LabelIssue, find_label_issues, label_text, swap_counts
+from finetune.evaluation.issues import LabelIssue, check_cleanlab, find_label_issues, label_text, swap_counts
 from finetune.evaluation.metrics import predictions
 from finetune.init.recipe import SEEN_PER_CLASS, step_seconds
 from finetune.model.load import build_tokenizer
@@ -79,34 +80,49 @@ def audited_rows(cfg: Config) -> TrainRows:
     return rows
 
 
-def assign_folds(targets: list[Any], problem_type: str, folds: int, seed: int) -> list[int]:
+def assign_folds(targets: list[Any], texts: list[str], problem_type: str, folds: int, seed: int) -> list[int]:
     """The fold of each row: seeded, stratified by label for single-label data (scikit-learn's StratifiedKFold;
-    KFold for multi-label)."""
-    from sklearn.model_selection import KFold, StratifiedKFold
+    KFold for multi-label). Where a text occurs more than once, every copy goes to one fold (the Group variants):
+    a copy in the training folds would teach the model the held-out copy's label, wrong or not."""
+    from sklearn.model_selection import GroupKFold, KFold, StratifiedGroupKFold, StratifiedKFold
 
-    splitter = (
-        StratifiedKFold(folds, shuffle=True, random_state=seed)
-        if problem_type == SINGLE
-        else KFold(folds, shuffle=True, random_state=seed)
-    )
+    single, grouped = problem_type == SINGLE, len(set(texts)) < len(texts)
+    if grouped:
+        kind = StratifiedGroupKFold if single else GroupKFold
+    else:
+        kind = StratifiedKFold if single else KFold
+    splitter = kind(folds, shuffle=True, random_state=seed)
+    y = np.asarray(targets) if single else np.zeros(len(targets))
+    groups = np.unique(texts, return_inverse=True)[1] if grouped else None
     out = [0] * len(targets)
-    y = np.asarray(targets) if problem_type == SINGLE else np.zeros(len(targets))
-    for k, (_, held) in enumerate(splitter.split(np.zeros(len(targets)), y)):
+    for k, (_, held) in enumerate(splitter.split(np.zeros(len(targets)), y, groups)):
         for i in held:
             out[i] = k
     return out
 
 
-def prepare_dir(cfg: Config) -> Path:
-    """`run.output_dir`, empty or an audit of this very config (continued); `run.overwrite=true` starts afresh.
+def data_digest(rows: TrainRows) -> str:
+    """sha256 of the audited rows' texts and labels: a fold finished on other data is never reused."""
+    h = hashlib.sha256()
+    for i, text in enumerate(rows.data["text"][:]):
+        h.update(f"{rows.rows[i]}\0{text}\0{rows.data[i].get('text_pair', '')}\0{rows.data[i]['label']}\n".encode())
+    return h.hexdigest()
+
+
+def prepare_dir(cfg: Config, digest: str) -> Path:
+    """`run.output_dir`, empty or an audit of this very config and data (continued); `run.overwrite=true` starts
+    afresh.
 
     Raises:
-        UserError: the directory holds something else, or an audit of another config.
+        UserError: the directory holds something else, or an audit of another config or other data.
     """
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"run.output_dir {out} exists and is not a directory")
     saved = out / CONFIG_FILE
+    # the config as an audit compares it: run.overwrite=true starts one afresh and is not part of what it audits
+    same = dump_config(cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": False})}))
+    same += f"# data sha256 (the audited rows' texts and labels): {digest}\n"
     if out.is_dir() and any(out.iterdir()):
         if not saved.is_file():
             raise UserError(
@@ -115,13 +131,15 @@ def prepare_dir(cfg: Config) -> Path:
             )
         if cfg.run.overwrite:
             shutil.rmtree(out)
-        elif saved.read_text() != dump_config(cfg):
+        elif saved.read_text() != same:
+            config_part = saved.read_text().split("\n# data sha256")[0]
+            what = "other data" if config_part == same.split("\n# data sha256")[0] else "another config"
             raise UserError(
-                f"run.output_dir {out} holds an audit of another config ({saved} differs); choose another "
+                f"run.output_dir {out} holds an audit of {what} ({saved} differs); choose another "
                 "run.output_dir, or set run.overwrite=true to start this one afresh"
             )
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(saved, dump_config(cfg))
+    _write_atomic(saved, same)
     return out
 
 
@@ -225,12 +243,24 @@ def run_audit(cfg: Config, minutes: float | None = None) -> dict[str, Any]:
     labels = [target(v) for v in rows.data["label"][:]]
     if cfg.model.problem_type == MULTI:  # multi-hot -> the label ids cleanlab takes
         labels = [[j for j, on in enumerate(hot) if on] for hot in labels]
-    out = prepare_dir(cfg)
+        always = [rows.label_names[j] for j in range(len(rows.label_names)) if all(j in y for y in labels)]
+        if always:
+            raise UserError(f"label {always[0]!r} is on in every training row: there is no wrong value of it to find")
+    check_cleanlab()
+    budget = minutes / cfg.audit.folds if minutes is not None else None
+    try:  # a fold's config is valid before anything is written (--minutes sets train.max_minutes, which has needs)
+        fold_config(cfg, Path(cfg.run.output_dir) / "fold-1", Path("exclude_rows.csv"), 1.0, budget)
+    except UserError as exc:
+        raise UserError(
+            f"--minutes {minutes:g} gives each fold a train.max_minutes: {exc}" if minutes else str(exc)
+        ) from None
+    out = prepare_dir(cfg, data_digest(rows))
     k = cfg.audit.folds
-    fold_of = assign_folds(labels, cfg.model.problem_type, k, cfg.run.seed)
-    print(estimate_line(cfg, rows), file=sys.stderr, flush=True)
     texts = rows.data["text"][:]
     pairs = rows.data["text_pair"][:] if "text_pair" in rows.data.column_names else None
+    keys = texts if pairs is None else [f"{a}\0{b}" for a, b in zip(texts, pairs, strict=True)]
+    fold_of = assign_folds(labels, keys, cfg.model.problem_type, k, cfg.run.seed)
+    print(estimate_line(cfg, rows), file=sys.stderr, flush=True)
     logits: np.ndarray | None = None
     timings: dict[str, float] = {}
     with PreemptionGuard() as guard:
@@ -247,7 +277,12 @@ def run_audit(cfg: Config, minutes: float | None = None) -> dict[str, Any]:
     assert probs is not None
     issues = find_label_issues(labels, probs, cfg.model.problem_type, cfg.audit.filter_by)
     write_issues(out / ISSUES_FILE, issues, rows, texts, pairs)
+    exclude = out / ISSUES_FILE
+    if rows.left_out:  # the config's own data.exclude_rows still holds: training leaves out both lists' rows
+        exclude = out / "exclude_all.csv"
+        _write_exclusions(exclude, sorted(set(rows.left_out) | {rows.rows[x.index] for x in issues}))
     summary = _summary(cfg, rows, labels, predicted, issues, timings, time.perf_counter() - started)
+    summary["exclude_file"] = str(exclude)
     _write_atomic(out / AUDIT_FILE, json.dumps(summary, indent=2))
     return summary
 

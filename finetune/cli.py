@@ -334,7 +334,7 @@ def _cmd_audit(argv: list[str]) -> int:
         return exc.exit_code
     print(summary_line(summary), file=sys.stderr)
     kept = [o for o in args.overrides if not o.startswith(("run.output_dir=", "audit."))]  # the audit's own keys
-    again = ["finetune", "train", "--config", args.config, *kept, f"data.exclude_rows={summary['issues_file']}"]
+    again = ["finetune", "train", "--config", args.config, *kept, f"data.exclude_rows={summary['exclude_file']}"]
     print(
         f"train without them: {shlex.join([*again, f'run.output_dir={cfg.run.output_dir}-clean'])} (or edit the "
         "file first: its `row` column lists the rows left out)",

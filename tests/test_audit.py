@@ -86,7 +86,7 @@ def _flagged(out: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_audit_finds_the_flipped_labels_and_a_stopped_audit_continues_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data, _ = _fixture(tmp_path)
     cfg = _config(tmp_path, data)
@@ -122,6 +122,13 @@ def test_audit_finds_the_flipped_labels_and_a_stopped_audit_continues_exactly(
     assert cli_main(["audit", "--config", str(cfg)]) == 0
     assert weights.stat().st_mtime_ns == before and _flagged(out) == flagged
 
+    # the data changed since (a label fixed): the finished folds are not reused for it, nor anything overwritten
+    lines = data.read_text().splitlines()
+    lines[1 + FLIPPED[0]] = lines[1 + FLIPPED[0]].rsplit(",", 1)[0] + ",sports"
+    data.write_text("\n".join(lines) + "\n")
+    assert cli_main(["audit", "--config", str(cfg)]) == 2
+    assert "holds an audit of other data" in capsys.readouterr().err
+
     # training without the flagged rows: the data report and the model card count them
     clean = tmp_path / "clean"
     argv = ["--config", str(cfg), f"data.exclude_rows={out / 'label_issues.csv'}", f"run.output_dir={clean}"]
@@ -143,6 +150,10 @@ def test_exclude_rows_leaves_out_exactly_the_listed_rows(tmp_path: Path) -> None
     assert raw.train["label"][:] == [all_rows["label"][i] for i in keep]
     assert raw.excluded == 3 and raw.files["exclude_rows"] == listed
     assert raw.label_names == load_raw_splits(load_config(base)).label_names  # label ids of the whole file
+
+    # a copy saved by a spreadsheet (a byte-order mark before the header) reads the same
+    listed.write_text("\ufeffrow,note\n4,x\n0,y\n29,z\n", encoding="utf-8")
+    assert load_raw_splits(load_config(base, [f"data.exclude_rows={listed}"])).train["text"][:] == raw.train["text"][:]
 
     # the exclusion list is part of the data a checkpoint is tied to: a changed list changes the recorded hash
     from finetune.core.fileio import file_sha256
@@ -170,19 +181,20 @@ def test_exclude_rows_refuses_a_list_that_does_not_fit(tmp_path: Path, content: 
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("args", "message"),
     [
         (["audit.folds=40"], "audit.folds=40: every class needs at least 40 training rows"),
         (["model.problem_type=regression", "data.label_column=score"], "regression has none"),
         (["data.label_column=missing"], "has no column 'missing'"),
+        (["--minutes", "5"], "--minutes 5 gives each fold a train.max_minutes"),  # no evaluations to pick final/ by
     ],
 )
 def test_audit_refuses_bad_input_in_one_line_before_writing(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: list[str], message: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
     data, _ = _fixture(tmp_path, rows=90)
     cfg = _config(tmp_path, data)
-    assert cli_main(["audit", "--config", str(cfg), *overrides]) == 2
+    assert cli_main(["audit", "--config", str(cfg), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and err.startswith("error: ")
     assert not (tmp_path / "audit").exists()
@@ -214,3 +226,18 @@ def test_find_label_issues_flags_the_rows_the_probabilities_contradict() -> None
         sets[i] = [j for j in range(3) if j not in sets[i]]
     found = find_label_issues(sets, multi, "multi_label_classification")
     assert sorted(x.index for x in found) == wrong
+
+
+def test_every_copy_of_a_text_goes_to_one_fold_and_folds_stay_stratified() -> None:
+    from finetune.audit import assign_folds
+
+    texts = [f"text {i % 40}" for i in range(120)]  # each text three times
+    labels = [i % 40 % 2 for i in range(120)]
+    folds = assign_folds(labels, texts, "single_label_classification", 4, seed=0)
+    for t in set(texts):
+        assert len({folds[i] for i in range(120) if texts[i] == t}) == 1
+    for k in range(4):  # 10 texts a fold, both classes in each
+        held = [i for i in range(120) if folds[i] == k]
+        assert len(held) == 30 and {labels[i] for i in held} == {0, 1}
+    unique = assign_folds(labels, [f"t{i}" for i in range(120)], "single_label_classification", 4, seed=0)
+    assert sorted(unique.count(k) for k in range(4)) == [30, 30, 30, 30]

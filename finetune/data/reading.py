@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import re
+import sys
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -738,7 +739,11 @@ class TrainRows:
     files: dict[str, Path]
     source: str
     total: int = 0  # rows of the file (excluded ones included)
-    excluded: int = 0
+    left_out: list[int] = field(default_factory=list)  # the rows data.exclude_rows leaves out
+
+    @property
+    def excluded(self) -> int:
+        return len(self.left_out)
 
 
 def read_train_rows(cfg: Config) -> TrainRows:
@@ -764,7 +769,8 @@ def read_train_rows(cfg: Config) -> TrainRows:
     if d.exclude_rows is not None:
         path = Path(d.exclude_rows).expanduser()
         keep = exclude_rows(train, path, src)
-        out.data, out.rows, out.excluded = train.select(keep), keep, len(train) - len(keep)
+        out.data, out.rows = train.select(keep), keep
+        out.left_out = sorted(set(range(len(train))) - set(keep))
         files["exclude_rows"] = path
     return out
 
@@ -784,9 +790,13 @@ def exclude_rows(train: datasets.Dataset, path: Path, source: str) -> list[int]:
     key = "data.exclude_rows"
     if not path.is_file():
         raise UserError(f"{key}: {path} does not exist")
-    with _parse_errors(f"{key}: {path}"), open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        table, columns = list(reader), reader.fieldnames or []
+    csv.field_size_limit(sys.maxsize)  # a long document's text in the list is one field
+    try:  # utf-8-sig: a copy saved by a spreadsheet starts with a byte-order mark
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            table, columns = list(reader), reader.fieldnames or []
+    except (csv.Error, UnicodeDecodeError, OSError) as exc:
+        raise UserError(f"{key}: cannot read {path} as CSV: {exc}") from None
     if EXCLUDE_COLUMN not in columns:
         raise UserError(
             f"{key}: {path} has no column {EXCLUDE_COLUMN!r} (the data rows to leave out); its columns: {columns}"

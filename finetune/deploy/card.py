@@ -167,7 +167,7 @@ def model_card(
     labels += [f"| {i} | {n} |" + (f" {thresholds[i]:.2f} |" if thresholds else "") for i, n in enumerate(label_names)]
     data = ["| split | file | sha256 |", "|---|---|---|"]
     data += [f"| {split} | `{path.name}` | `{sha256.get(split, '-')}` |" for split, path in files.items()]
-    if cfg.data.hub_dataset is not None and not files:
+    if cfg.data.hub_dataset is not None and not set(files) - {"exclude_rows"}:
         data.append(f"| all | hub dataset `{cfg.data.hub_dataset}` | - |")
     if excluded:
         data += ["", f"{excluded} training rows were left out, as `data.exclude_rows` (the file above) lists them."]

@@ -20,8 +20,9 @@ from finetune.core.errors import UserError
 @dataclass(frozen=True)
 class LabelIssue:
     """One row whose given label the probabilities contradict: its position among the audited rows, the given
-    and suggested label ids (lists of ids for multi-label) and `score`, the probability of the given label (the
-    mean over its labels for multi-label: cleanlab's self-confidence); lower is likelier wrong."""
+    and suggested label ids (lists of ids for multi-label) and `score`, the probability of the given label
+    (multi-label: cleanlab's self-confidence per label, pooled over the labels by its exponential moving average
+    of the sorted scores, which weighs the worst label most); lower is likelier wrong."""
 
     index: int
     given: Any
@@ -29,15 +30,14 @@ class LabelIssue:
     score: float
 
 
-def _cleanlab() -> Any:
-    """cleanlab, imported when an audit runs.
+def check_cleanlab() -> Any:
+    """cleanlab, imported when an audit runs (it checks this before its folds train).
 
     Raises:
         UserError: cleanlab is not installed.
     """
     try:
         import cleanlab.filter
-        import cleanlab.rank
     except ImportError:
         raise UserError("finetune audit needs cleanlab: pip install cleanlab (requirements.txt pins it)") from None
     return cleanlab
@@ -54,7 +54,7 @@ def find_label_issues(
     """
     if problem_type == REGRESSION:
         raise UserError("finetune audit finds wrong class labels; a regression target has none")
-    cl = _cleanlab()
+    cl = check_cleanlab()
     probs = np.asarray(probs, dtype=np.float64)
     if problem_type == MULTI:
         from cleanlab.multilabel_classification.filter import find_label_issues as find_multi
