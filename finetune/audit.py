@@ -125,9 +125,10 @@ def prepare_dir(cfg: Config, digest: str) -> Path:
     same += f"# data sha256 (the audited rows' texts and labels): {digest}\n"
     if out.is_dir() and any(out.iterdir()):
         if not saved.is_file():
+            what = "a training run" if (out / "config.yaml").is_file() else f"no audit (no {CONFIG_FILE})"
             raise UserError(
-                f"run.output_dir {out} is not empty and holds no audit (no {CONFIG_FILE}); choose another "
-                "run.output_dir, e.g. run.output_dir=runs/NAME-audit"
+                f"run.output_dir {out} is not empty and holds {what}; audit into another one, e.g. "
+                f"run.output_dir={out}-audit"
             )
         if cfg.run.overwrite:
             shutil.rmtree(out)

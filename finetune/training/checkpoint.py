@@ -647,6 +647,9 @@ def check_output_dir(cfg: Config) -> Path:
     out = Path(cfg.run.output_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"run.output_dir {out} exists and is not a directory")
+    if out.is_dir() and (out / "audit.yaml").is_file() and not (out / "config.yaml").is_file():
+        # `finetune audit`'s directory (its label_issues.csv is what a run without those rows reads)
+        raise UserError(f"run.output_dir {out} holds a finetune audit; train into another one, e.g. {out}-clean")
     if out.is_dir() and any(out.iterdir()) and cfg.checkpoint.resume is None and not cfg.run.overwrite:
         raise UserError(f"run.output_dir {out} is not empty; set run.overwrite=true or checkpoint.resume=auto")
     if out.is_dir() and any(out.iterdir()) and cfg.run.overwrite and not (out / "config.yaml").is_file():
