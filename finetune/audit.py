@@ -35,6 +35,7 @@ from finetune.config.schema import Config
 from finetune.config.tasks import MULTI, REGRESSION, SINGLE
 from finetune.core.errors import UserError
 from finetune.data.reading import EXCLUDE_COLUMN, LabelTarget, TrainRows, read_train_rows
+from finetune.deploy.card import plot_confusion_matrix
 from finetune.deploy.final import load_final
 from finetune.deploy.predict import model_logits
 from finetune.evaluation.issues import LabelIssue, check_cleanlab, find_label_issues, label_text, swap_counts
@@ -49,6 +50,7 @@ logger = logging.getLogger("finetune")
 ISSUES_FILE = "label_issues.csv"
 AUDIT_FILE = "audit.json"
 CONFIG_FILE = "audit.yaml"  # the audit's resolved config: a rerun continues only the same audit
+PLOT_FILE = "label_issues.png"  # single-label: flagged rows by given and suggested label
 HOLDOUT_FILE = "holdout.json"  # in fold-<k>/: the fold's rows and their out-of-sample logits
 
 
@@ -284,6 +286,15 @@ def run_audit(cfg: Config, minutes: float | None = None) -> dict[str, Any]:
         _write_exclusions(exclude, sorted(set(rows.left_out) | {rows.rows[x.index] for x in issues}))
     summary = _summary(cfg, rows, labels, predicted, issues, timings, time.perf_counter() - started)
     summary["exclude_file"] = str(exclude)
+    if cfg.log.plots and cfg.model.problem_type == SINGLE and issues:
+        n = len(rows.label_names)
+        swaps = np.zeros((n, n), dtype=int)
+        for x in issues:
+            swaps[x.given, x.suggested] += 1
+        title = f"{len(issues):,} rows flagged by the audit"
+        axes = ("suggested label (out of sample)", "given label")
+        plot_confusion_matrix(swaps.tolist(), rows.label_names, out / PLOT_FILE, title, axes)
+        summary["plot"] = str(out / PLOT_FILE)
     _write_atomic(out / AUDIT_FILE, json.dumps(summary, indent=2))
     return summary
 

@@ -85,8 +85,15 @@ def card_data(cfg: Config, final: dict[str, Any], files: dict[str, Path], name: 
     )
 
 
-def plot_confusion_matrix(matrix: list[list[int]], label_names: list[str], out: Path) -> None:
-    """The validation confusion matrix as a PNG (scikit-learn's display)."""
+def plot_confusion_matrix(
+    matrix: list[list[int]],
+    label_names: list[str],
+    out: Path,
+    title: str = "validation confusion matrix (rows: true label)",
+    axes: tuple[str, str] = ("Predicted label", "True label"),
+) -> None:
+    """A confusion matrix as a PNG (scikit-learn's display): the validation's by default; `axes`: the x and y
+    axis names."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,7 +106,9 @@ def plot_confusion_matrix(matrix: list[list[int]], label_names: list[str], out: 
     ConfusionMatrixDisplay(np.asarray(matrix), display_labels=label_names).plot(
         ax=ax, colorbar=False, xticks_rotation=45
     )
-    ax.set_title("validation confusion matrix (rows: true label)")
+    ax.set_title(title)
+    ax.set_xlabel(axes[0])
+    ax.set_ylabel(axes[1])
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
