@@ -1,7 +1,8 @@
 """`finetune distill`: the distillation loss against a float64 formula written out here, a tiny student distilled from
 a tiny teacher's final/ with unlabeled texts (stopped by SIGTERM and resumed to the uninterrupted run's weights, its
-teacher cache read, not computed, on resume), final/ loading in transformers' pipeline, and a teacher of other
-labels, a missing unlabeled file or a missing teacher refused in one line before anything is written.
+teacher cache read, not computed, on resume; only a missing chunk computed again), final/ loading in transformers'
+pipeline, and a teacher of other labels, a missing unlabeled file or a missing teacher refused in one line before
+anything is written.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from finetune.core.fileio import TEACHER_DIR
 from finetune.data.build import build_data
 from finetune.data.collate import Collator
 from finetune.data.window import WindowedDataset
-from finetune.deploy.teacher import MANIFEST
+from finetune.deploy.teacher import MANIFEST, teacher_logits
 from finetune.model.load import build_tokenizer
 from finetune.model.precision import fp32_distill_loss
 
@@ -273,3 +274,19 @@ def test_distill_refuses_a_missing_teacher_or_unlabeled_file(
     assert cli_main(["distill", "--teacher", str(tmp_path), "--config", str(cfg), other]) == 2
     assert "has no column 'sentence' (data.text_column)" in capfd.readouterr().err
     assert not (tmp_path / "student").exists()
+
+
+@pytest.mark.slow
+def test_teacher_cache_computes_only_missing_chunks(teacher: Path, tmp_path: Path) -> None:
+    texts = ["a fine film", "a dull mess", "not bad", "sharp and funny", "too long"]
+    cache = tmp_path / "cache"
+    first = teacher_logits(teacher, texts, None, cache, chunk_size=2)
+    assert first.shape == (5, 2) and first.dtype == np.float32
+    chunks = sorted(cache.glob("chunk-*.npy"))
+    assert [p.name for p in chunks] == ["chunk-00000.npy", "chunk-00001.npy", "chunk-00002.npy"]
+    kept = chunks[0].stat().st_mtime_ns
+    chunks[1].unlink()  # a run stopped before its second chunk was written
+    again = teacher_logits(teacher, texts, None, cache, chunk_size=2)
+    assert np.array_equal(again, first) and chunks[1].is_file() and chunks[0].stat().st_mtime_ns == kept
+    other = teacher_logits(teacher, [*texts[:4], "something else"], None, cache, chunk_size=2)  # other texts
+    assert np.array_equal(other[:4], first[:4]) and chunks[0].stat().st_mtime_ns != kept  # the cache started again
