@@ -44,7 +44,10 @@ def train_targets(data: Data) -> torch.Tensor | None:
     """The training labels as one tensor (multi-hot rows or scores), for the head's starting point."""
     if data.problem_type == "single_label_classification" or "labels" not in data.train.column_names:
         return None
-    return torch.tensor(data.train["labels"][:], dtype=torch.float64)
+    labels = data.train["labels"][:]
+    if "gold" in data.train.column_names:  # distillation: an unlabeled row's label is a placeholder
+        labels = [y for y, gold in zip(labels, data.train["gold"][:], strict=True) if gold]
+    return torch.tensor(labels, dtype=torch.float64)
 
 
 def build_policy_model(
@@ -111,7 +114,7 @@ def prepare_run_dir(
     """
     if accelerator.is_main_process:
         if cfg.run.overwrite and resume_from is None:
-            ckpt.remove_tree(run_dir)
+            ckpt.clear_run_dir(run_dir, keep_teacher=cfg.distill.teacher is not None)
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.cleanup_stale(run_dir)  # temporaries of a save or rotation that a crash interrupted
         if resume_from is None:

@@ -1,5 +1,5 @@
-"""`finetune train | plan | evaluate | predict | report | config | init | export | sweep | audit`: thin argument
-parsing around the modules."""
+"""`finetune train | distill | plan | evaluate | predict | report | config | init | export | sweep | audit`: thin
+argument parsing around the modules."""
 
 from __future__ import annotations
 
@@ -17,6 +17,22 @@ def _cmd_train(argv: list[str]) -> int:
     from finetune.train import main as train_main
 
     return train_main(argv, prog="finetune train")
+
+
+def _cmd_distill(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune distill",
+        description="Train the config's model (the student) on its labels and on a trained teacher's outputs: "
+        "`finetune train` with distill.teacher=TEACHER (distill.temperature, distill.alpha, distill.unlabeled_file).",
+    )
+    parser.add_argument("--teacher", required=True, help="the teacher: a run's final/ folder, of the same labels")
+    parser.add_argument("--config", required=True, help="YAML config file of the student's run")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. distill.temperature=4")
+    args = parser.parse_args(argv)
+    from finetune.train import main as train_main
+
+    prog = f"finetune distill --teacher {shlex.quote(args.teacher)}"  # what a resume hint repeats
+    return train_main(["--config", args.config, *args.overrides], prog=prog, fixed=(f"distill.teacher={args.teacher}",))
 
 
 def _cmd_plan(argv: list[str]) -> int:
@@ -345,6 +361,7 @@ def _cmd_audit(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": _cmd_train,
+    "distill": _cmd_distill,
     "plan": _cmd_plan,
     "evaluate": _cmd_evaluate,
     "predict": _cmd_predict,

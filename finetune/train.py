@@ -53,6 +53,7 @@ from finetune.data.packing import attention_cost, packed_logits
 from finetune.data.window import OutOfMemoryGuard, adapt_to_launch, window_loss
 from finetune.deploy.card import write_model_card
 from finetune.deploy.final import export_final, prediction_config
+from finetune.deploy.teacher import teacher_outputs
 from finetune.evaluation.calibrate import calibrate, fold_temperature, plot_reliability, report_on_test
 from finetune.evaluation.metrics import (
     Outputs,
@@ -73,6 +74,7 @@ from finetune.model.precision import (
     audit_json,
     dtype_audit,
     format_audit,
+    fp32_distill_loss,
     fp32_per_sample_loss,
     release_cached_memory,
 )
@@ -201,7 +203,7 @@ def train(
     # Everything that can fail on user input happens before the output directory is touched.
     tokenizer = build_tokenizer(cfg)
     check_max_length(cfg, tokenizer)  # before long texts are tokenized
-    data = build_data(cfg, tokenizer)
+    data = build_data(cfg, tokenizer, teacher_outputs(cfg, accelerator))  # distill.teacher: its logits per row
     pad_note = choose_pad_token(tokenizer, [data.train, data.validation, data.test])  # pad never inside a text
     notes = [pad_note] if pad_note else []  # logged once the run directory's train.log exists
     model, audit, norm_names = build_policy_model(cfg, data.label_names, tokenizer, train_targets(data), notes)
@@ -384,15 +386,13 @@ def run_window(run: Run, batches: Any) -> str:
             "batch", progress.epoch * len(run.train_loader) + progress.batches_in_epoch, run.run_dir, run.guard
         )
         labels, weight, window_samples = batch.pop("labels"), batch.pop("sample_weight"), batch.pop("window_samples")
+        soft = batch.pop("teacher_logits", None), batch.pop("gold", None)  # distillation's teacher outputs
         batch.pop("doc", None)  # which text a window belongs to: evaluation's concern
         run.memory.note_batch(batch["input_ids"].shape)
         with acc.accumulate(run.model), run.oom:
             faults.oom_point("oom_at_step", progress.step + 1, (progress.batches_in_epoch - 1) % G, G)
             logits = packed_logits(run.model, batch) if cfg.data.packing else run.model(**batch).logits
-            gamma = cfg.train.focal_gamma if cfg.train.loss == "focal" else None
-            smooth = cfg.train.label_smoothing
-            loss_per_sample = fp32_per_sample_loss(logits, labels, cfg.model.problem_type, gamma, smooth)
-            per_sample = faults.nonfinite_point(loss_per_sample * weight, progress.step + 1)
+            per_sample = faults.nonfinite_point(sample_losses(cfg, logits, labels, *soft) * weight, progress.step + 1)
             acc.backward(window_loss(per_sample, window_samples, G, P))  # exact accumulation, tail window included
         if run.oom.hit:
             if P > 1:  # the other processes are in this step's collectives: no rank may redo it alone
@@ -417,6 +417,18 @@ def run_window(run: Run, batches: Any) -> str:
             optimizer_step(run, window)
             return "step"
     return "epoch_end"
+
+
+def sample_losses(
+    cfg: Config, logits: torch.Tensor, labels: torch.Tensor, teacher: torch.Tensor | None, gold: torch.Tensor | None
+) -> torch.Tensor:
+    """The fp32 loss of each sample: against the labels, or with `distill.teacher` also against the teacher's
+    logits (`teacher`; `gold` 0.0 marks an unlabeled row)."""
+    if teacher is not None and gold is not None:
+        d = cfg.distill
+        return fp32_distill_loss(logits, labels, teacher, gold, cfg.model.problem_type, d.temperature, d.alpha)
+    gamma = cfg.train.focal_gamma if cfg.train.loss == "focal" else None
+    return fp32_per_sample_loss(logits, labels, cfg.model.problem_type, gamma, cfg.train.label_smoothing)
 
 
 def optimizer_step(run: Run, window: torch.Tensor) -> None:
@@ -753,9 +765,18 @@ def finish(run: Run, was_finished: bool) -> dict[str, Any]:
     describe_final(run, final, thresholds)
     if acc.is_main_process:
         (run.run_dir / "eval.json").write_text(json.dumps(final, indent=2))
-        data, excluded = run.data, run.data.report["splits"]["train"].get("excluded_rows", 0)
+        data, train_report = run.data, run.data.report["splits"]["train"]
+        excluded, unlabeled = train_report.get("excluded_rows", 0), train_report.get("unlabeled_rows", 0)
         write_model_card(
-            run.run_dir / "final", cfg, final, data.label_names, data.files, data.sha256, memory_report, excluded
+            run.run_dir / "final",
+            cfg,
+            final,
+            data.label_names,
+            data.files,
+            data.sha256,
+            memory_report,
+            excluded,
+            unlabeled,
         )
         if run.metrics_file.exists() and cfg.log.plots:
             plot_curves(run.metrics_file, run.run_dir / "curves.png")
@@ -779,16 +800,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Parse, validate and train; a user error prints one line and returns 2.
+def main(argv: list[str] | None = None, prog: str | None = None, fixed: tuple[str, ...] = ()) -> int:
+    """Parse, validate and train; a user error prints one line and returns 2. `fixed`: overrides after the given
+    ones that `prog` already spells (`finetune distill --teacher PATH` sets distill.teacher).
 
     A run stopped by SIGTERM / SIGINT saves a checkpoint, prints how to resume and returns 143 / 130
     (docs/RESUME.md).
     """
     try:
         args = parse_args(argv)
-        cfg = load_config(args.config, args.overrides)
-        relaunch = resume_hint("accelerate launch <the same options> finetune/train.py", args.config, args.overrides)
+        cfg = load_config(args.config, [*args.overrides, *fixed])
+        launch = "accelerate launch <the same options> finetune/train.py"
+        relaunch = resume_hint(launch, args.config, [*args.overrides, *fixed])
         on_peer_lost(node_loss_line(Path(cfg.run.output_dir), relaunch))  # several nodes: a lost one's line
         with PreemptionGuard() as guard:
             train(cfg, guard)

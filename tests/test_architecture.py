@@ -48,6 +48,7 @@ LAYERS = [
     "evaluation.issues",
     "deploy.final",
     "deploy.predict",
+    "deploy.teacher",
     "deploy.card",
     "deploy.export",
     "init.formats",

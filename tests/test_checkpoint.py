@@ -374,6 +374,7 @@ def test_keys_that_may_change_on_resume_are_declared_in_the_schema(tmp_path: Pat
         "model.pooler_init",  # like head_init: a resumed run's weights come from the checkpoint
         "data.data_dir",
         "data.num_workers",
+        "distill.unlabeled_file",  # where the file is, as data.data_dir: its sha256 is part of the run's data
         "precision.empty_cache",
         "precision.cudnn_attention",
         "sweep.space",

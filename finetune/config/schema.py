@@ -687,6 +687,35 @@ class AuditConfig(_Section):
     )
 
 
+class DistillConfig(_Section):
+    """`distill`: knowledge distillation from a trained teacher's final/ into the model this run trains."""
+
+    teacher: str | None = Field(
+        None,
+        description="a run's final/ folder whose logits the student learns from (`finetune distill --teacher`); its "
+        "label names and problem type must be the data's; null: no distillation",
+    )
+    temperature: PositiveFloat = Field(
+        2.0,
+        description="softens the teacher's and the student's distributions in the soft-target loss (single- and "
+        "multi-label); that loss is scaled by temperature^2 so its gradients keep their size",
+    )
+    alpha: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="the weight of the loss against the gold labels; 1 - alpha weighs the loss against the teacher's "
+        "outputs (unlabeled rows have the teacher's term only)",
+    )
+    unlabeled_file: str | None = Field(
+        None,
+        description="extra texts without labels that the student learns from the teacher's outputs alone, read with "
+        "the data.* reading keys and data.text_column (and data.text_pair_column); a label column is ignored; a "
+        "relative path is under data.data_dir",
+        json_schema_extra=MAY_CHANGE_ON_RESUME,  # where the file is: resume compares its sha256 instead
+    )
+
+
 def closest_name(word: str, names: typing.Iterable[str]) -> str | None:
     """The one of `names` a mistyped `word` most likely meant, for a did-you-mean hint; None when none is close."""
     close = difflib.get_close_matches(word, list(names), n=1, cutoff=0.6)
@@ -704,7 +733,7 @@ def _section_class(annotation: Any) -> type[BaseModel] | None:
 def _settable(key: str) -> Any:
     """The field a dotted key names, when a sweep trial may set it (not run.* or sweep.*); else None."""
     parts = key.split(".")
-    if len(parts) < 2 or parts[0] in ("run", "sweep", "audit"):
+    if len(parts) < 2 or parts[0] in ("run", "sweep", "audit", "distill"):
         return None
     cls: Any = Config
     for part in parts[:-1]:
@@ -719,7 +748,7 @@ def _settable_keys() -> list[str]:
     return [
         f"{s}.{f}"
         for s, h in Config.model_fields.items()
-        if s not in ("run", "sweep", "audit")
+        if s not in ("run", "sweep", "audit", "distill")
         for f in _section_class(h.annotation).model_fields
     ]
 
@@ -737,6 +766,7 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     sweep: SweepConfig = SweepConfig()
     audit: AuditConfig = AuditConfig()
+    distill: DistillConfig = DistillConfig()
 
     @model_validator(mode="after")
     def _batch(self) -> Config:
@@ -808,6 +838,24 @@ class Config(_Section):
                 close = closest_name(key, _settable_keys())
                 hint = f" (did you mean {close}?)" if close else ""
                 raise ValueError(f"sweep.space: {key} is not a config key that a trial can set{hint}")
+        return self
+
+    @model_validator(mode="after")
+    def _distill(self) -> Config:
+        if self.distill.teacher is None:
+            return self
+        t = self.train
+        if t.loss == "focal" or t.label_smoothing:
+            # the soft-target term already replaces the hard one-hot target: a second reshaping of it is not defined
+            raise ValueError(
+                "distill.teacher trains on the teacher's outputs: set train.loss=cross_entropy and "
+                "train.label_smoothing=0"
+            )
+        if self.data.swap_pairs:
+            raise ValueError(
+                "distill.teacher and data.swap_pairs do not go together: the teacher scored each pair in "
+                "its given order"
+            )
         return self
 
     @model_validator(mode="after")

@@ -31,6 +31,9 @@ def file_sha256(path: Path) -> str:
 
 
 METRICS_FILE = "metrics.jsonl"  # a run's log rows, in its run directory
+# a distilling run's cache of its teacher's outputs, in its run directory: written before the run's other files and
+# valid on its own (its teacher.json names what it was computed from), so a directory holding only it counts as empty
+TEACHER_DIR = "teacher"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

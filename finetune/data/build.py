@@ -12,10 +12,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import datasets
 import huggingface_hub
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
@@ -25,7 +26,7 @@ from finetune.core.errors import UserError
 from finetune.core.fileio import file_sha256
 from finetune.data.collate import Collator
 from finetune.data.packing import PackingCollator
-from finetune.data.reading import RawSplits, load_raw_splits
+from finetune.data.reading import RawSplits, load_raw_splits, read_unlabeled
 from finetune.data.window import WindowedBatchSampler, WindowedDataset
 
 logger = logging.getLogger("finetune")
@@ -270,6 +271,8 @@ def format_data_report(report: dict[str, Any]) -> str:
         extra = f", {e['overlap_with_train']} also in train" if "overlap_with_train" in e else ""
         if e.get("excluded_rows"):
             extra += f"; {e['excluded_rows']} rows left out (data.exclude_rows)"
+        if e.get("unlabeled_rows"):
+            extra += f"; {e['unlabeled_rows']} unlabeled rows learnt from the teacher alone (distill.unlabeled_file)"
         if "swapped_rows" in e:
             extra += f"; trains on {e['swapped_rows']} more rows with the pair's texts swapped"
         lines.append(
@@ -277,6 +280,66 @@ def format_data_report(report: dict[str, Any]) -> str:
             f"{100 * e['truncated_fraction']:.1f}% truncated; {e['mean_tokens']:.1f} tokens/row"
         )
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distillation: the teacher's outputs beside each training row.
+
+
+class SoftTargets(Protocol):
+    """The teacher's outputs for the texts a student trains on (`finetune.deploy.teacher.TeacherOutputs`)."""
+
+    def __call__(
+        self, texts: list[str], pairs: list[str] | None, label_names: list[str], problem_type: str
+    ) -> np.ndarray:
+        """fp32 logits, one row per text in order.
+
+        Raises:
+            UserError: a teacher whose label names or problem type are not the data's.
+        """
+        ...
+
+
+def _with_soft_columns(ds: datasets.Dataset, logits: np.ndarray, gold: float) -> datasets.Dataset:
+    """`teacher_logits` (the row's text's, repeated for every window of a long text) and `gold` (1.0: the row's
+    label counts, 0.0: an unlabeled row) added to a tokenized split whose `doc` numbers the rows of `logits`."""
+    docs = ds["doc"][:]
+    ds = ds.add_column(
+        "teacher_logits", [logits[d].tolist() for d in docs], feature=datasets.Sequence(datasets.Value("float32"))
+    )
+    return ds.add_column("gold", [gold] * len(ds), feature=datasets.Value("float32"))
+
+
+def with_teacher(
+    train: datasets.Dataset,
+    weights: list[float] | None,
+    raw: RawSplits,
+    unlabeled: datasets.Dataset | None,
+    soft_targets: SoftTargets,
+    tokenizer: Any,
+    windowing: Windowing,
+) -> tuple[datasets.Dataset, list[float] | None]:
+    """The tokenized training split with the teacher's logits of every row, followed by the unlabeled rows (their
+    `labels` a placeholder of the labels' type that `gold` 0.0 keeps out of the loss, their `doc` after the labelled
+    texts'), and the sample weights of both (an unlabeled row: 1/windows of its text)."""
+    pair = "text_pair" in raw.train.column_names
+    texts = raw.train["text"][:] + (unlabeled["text"][:] if unlabeled is not None else [])
+    pairs = raw.train["text_pair"][:] + (unlabeled["text_pair"][:] if unlabeled is not None else []) if pair else None
+    logits = np.asarray(soft_targets(texts, pairs, raw.label_names, raw.problem_type), dtype=np.float32)
+    n = len(raw.train)
+    train = _with_soft_columns(train, logits[:n], 1.0)
+    if unlabeled is None:
+        return train, weights
+    extra = _with_soft_columns(tokenize_split(unlabeled, tokenizer, windowing, None), logits[n:], 0.0)
+    placeholder = {SINGLE: 0, MULTI: [0.0] * len(raw.label_names), REGRESSION: 0.0}[raw.problem_type]
+    extra = extra.add_column("labels", [placeholder] * len(extra), feature=train.features["labels"])
+    extra = extra.map(lambda b: {"doc": [d + n for d in b["doc"]]}, batched=True, desc="unlabeled rows")
+    extra = extra.select_columns(train.column_names).cast(train.features)
+    windows = Counter(extra["doc"][:])
+    extra_weights = [1.0 / windows[d] for d in extra["doc"][:]]
+    if weights is not None or any(w != 1.0 for w in extra_weights):
+        weights = (weights or [1.0] * len(train)) + extra_weights
+    return datasets.concatenate_datasets([train, extra]), weights
 
 
 @dataclass
@@ -295,13 +358,18 @@ class Data:
     pairs: dict[str, list[str]] = field(default_factory=dict)  # their second texts, for pair tasks
 
 
-def build_data(cfg: Config, tokenizer: Any) -> Data:
-    """Read and tokenize all splits; build the data report.
+def build_data(cfg: Config, tokenizer: Any, soft_targets: SoftTargets | None = None) -> Data:
+    """Read and tokenize all splits; build the data report. With `soft_targets` (`distill.teacher`) every training
+    row carries its teacher's logits and `distill.unlabeled_file`'s rows join the training split (`with_teacher`).
 
     Raises:
-        UserError: unreadable or inconsistent data, or options that need validation data without it.
+        UserError: unreadable or inconsistent data, options that need validation data without it, an unreadable
+            unlabeled file, or a teacher that does not fit the data.
     """
     raw = load_raw_splits(cfg)
+    unlabeled = None
+    if soft_targets is not None and cfg.distill.unlabeled_file is not None:
+        unlabeled, raw.files["unlabeled"] = read_unlabeled(cfg)
     if raw.validation is None:
         needs = [
             k
@@ -327,6 +395,9 @@ def build_data(cfg: Config, tokenizer: Any) -> Data:
         tok["train"] = with_swapped_pairs(raw.train, tok["train"], tokenizer, windowing, raw.target)
         report["splits"]["train"]["swapped_rows"] = len(tok["train"]) - report["splits"]["train"]["rows"]
     weights = sample_weights(tok["train"], raw.label_names, cfg.train.class_weights)
+    if soft_targets is not None:
+        tok["train"], weights = with_teacher(tok["train"], weights, raw, unlabeled, soft_targets, tokenizer, windowing)
+        report["splits"]["train"]["unlabeled_rows"] = len(unlabeled) if unlabeled is not None else 0
     if weights is not None:
         tok["train"] = tok["train"].add_column("weight", weights)
     sha = {split: file_sha256(p) for split, p in raw.files.items()}

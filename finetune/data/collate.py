@@ -47,12 +47,16 @@ class Collator:
 
     @staticmethod
     def add_bookkeeping(batch: dict[str, torch.Tensor], features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """Labels, and for training items the window size and per-sample weights."""
+        """Labels, and for training items the window size, per-sample weights and a distilling run's teacher
+        logits and gold flags."""
         if "labels" in features[0]:  # ids: int64; multi-hot rows and regression scores: float32
             labels = torch.tensor([f["labels"] for f in features])
             batch["labels"] = labels.float() if labels.is_floating_point() else labels
         if "doc" in features[0]:  # chunked texts: evaluation aggregates the windows of each text
             batch["doc"] = torch.tensor([f["doc"] for f in features], dtype=torch.long)
+        if "teacher_logits" in features[0]:  # distillation: the teacher's outputs and whether the label counts
+            batch["teacher_logits"] = torch.tensor([f["teacher_logits"] for f in features], dtype=torch.float32)
+            batch["gold"] = torch.tensor([f["gold"] for f in features], dtype=torch.float32)
         if "window_samples" in features[0]:
             batch["window_samples"] = torch.tensor(features[0]["window_samples"], dtype=torch.float32)
             batch["sample_weight"] = torch.tensor([f["sample_weight"] for f in features], dtype=torch.float32)

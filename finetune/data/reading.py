@@ -820,6 +820,23 @@ def exclude_rows(train: datasets.Dataset, path: Path, source: str) -> list[int]:
     return [i for i in range(len(texts)) if i not in dropped]
 
 
+def read_unlabeled(cfg: Config) -> tuple[datasets.Dataset, Path]:
+    """`distill.unlabeled_file`'s texts (`text`, and `text_pair` for pairs), read as the training file is (the data.*
+    reading keys, data.text_column and data.text_pair_column); a label column is ignored.
+
+    Raises:
+        UserError: the file is missing or unreadable, or lacks a text column or a text.
+    """
+    path = cfg.resolved_path(cfg.distill.unlabeled_file)
+    assert path is not None
+    if not path.is_file():
+        raise UserError(f"distill.unlabeled_file: {path} does not exist")
+    try:
+        return _normalize(cfg, read_file(cfg, path), str(path), need_label=False), path
+    except UserError as exc:
+        raise UserError(f"distill.unlabeled_file: {exc}") from None
+
+
 def load_raw_splits(cfg: Config) -> RawSplits:
     """Read, normalize, label-check and split the configured data (no tokenization yet).
 

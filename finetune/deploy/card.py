@@ -154,6 +154,18 @@ def _scores_table(final: dict[str, Any]) -> list[str]:
     return rows
 
 
+def distill_lines(cfg: Config, unlabeled: int) -> list[str]:
+    """The card's line on a distilled model's teacher (`distill.*`); none for a model trained on labels alone."""
+    if (d := cfg.distill).teacher is None:
+        return []
+    return [
+        f"- distilled from the teacher `{d.teacher}` (temperature {d.temperature:g}, alpha {d.alpha:g}: alpha x "
+        "the loss against the labels + (1 - alpha) x the loss against the teacher's outputs), with "
+        f"{unlabeled} unlabeled rows learnt from the teacher alone"
+        + (f" (`{Path(d.unlabeled_file).name}`)" if d.unlabeled_file else "")
+    ]
+
+
 def model_card(
     cfg: Config,
     final: dict[str, Any],
@@ -164,6 +176,7 @@ def model_card(
     name: str,
     has_matrix: bool,
     excluded: int = 0,
+    unlabeled: int = 0,
 ) -> ModelCard:
     """README.md of final/: the metadata (`card_data`) as front matter, then the page.
 
@@ -220,6 +233,7 @@ def model_card(
         "",
         f"- precision: `{cfg.precision.mode}`; optimizer `{cfg.train.optimizer}`, learning rate "
         f"{cfg.train.learning_rate:g}, {cfg.train.epochs:g} epoch(s), max length {cfg.data.max_length} tokens",
+        *distill_lines(cfg, unlabeled),
         *memory_lines(memory),
         "",
         "The resolved training config (`finetune train --config` reproduces the run with the same data):",
@@ -243,12 +257,14 @@ def write_model_card(
     sha256: dict[str, str],
     memory: dict[str, Any] | None,
     excluded: int = 0,
+    unlabeled: int = 0,
 ) -> None:
     """final/README.md, and final/confusion_matrix.png when the validation has a confusion matrix (and
-    `log.plots` is on); `excluded`: the training rows `data.exclude_rows` left out."""
+    `log.plots` is on); `excluded`: the training rows `data.exclude_rows` left out; `unlabeled`: the rows of
+    `distill.unlabeled_file` a distilled model learnt from its teacher alone."""
     matrix = final.get("confusion_matrix") if cfg.log.plots else None
     if matrix:
         plot_confusion_matrix(matrix, label_names, out / CONFUSION_PNG)
     name = Path(cfg.run.output_dir).resolve().name
-    card = model_card(cfg, final, label_names, files, sha256, memory, name, bool(matrix), excluded)
+    card = model_card(cfg, final, label_names, files, sha256, memory, name, bool(matrix), excluded, unlabeled)
     card.save(out / "README.md")

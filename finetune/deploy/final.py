@@ -45,7 +45,7 @@ def _check_json(path: Path) -> None:
         ) from None
 
 
-def _weight_files(final: Path) -> list[Path]:
+def weight_files(final: Path) -> list[Path]:
     """final/'s safetensors files: model.safetensors, or the shards its index names."""
     index = final / "model.safetensors.index.json"
     if index.is_file():
@@ -68,7 +68,7 @@ def check_final(final: Path) -> None:
     if not final.is_dir():
         what = "is a file" if final.exists() else "does not exist"
         raise UserError(f"{final} is not an exported model directory: it {what} (give a run's final/ directory)")
-    weights = _weight_files(final)
+    weights = weight_files(final)
     if not (final / "config.json").is_file() and not any(w.is_file() for w in weights):
         raise UserError(
             f"{final} is not an exported model directory (final/ holds config.json, model.safetensors "

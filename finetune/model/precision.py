@@ -138,6 +138,44 @@ def fp32_per_sample_loss(
     return terms.mean(-1) if problem_type == "multi_label_classification" else terms
 
 
+def fp32_distill_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    teacher: torch.Tensor,
+    gold: torch.Tensor,
+    problem_type: str,
+    temperature: float,
+    alpha: float,
+) -> torch.Tensor:
+    """One fp32 distillation loss per sample, from upcast student and teacher logits: alpha x gold x the loss
+    against the label (as `fp32_per_sample_loss`) + (1 - alpha) x the loss against the teacher's outputs.
+    `gold` is 1.0 where the label counts and 0.0 for an unlabeled row (its label a placeholder).
+
+    - single-label: T^2 x KL(softmax(teacher/T) || softmax(student/T)) (Hinton et al., 2015); T^2 keeps the soft
+      term's gradients the size of the hard term's as T grows.
+    - multi-label: each label is its own two-class problem, so the soft term is the binary cross-entropy of
+      sigmoid(student/T) against sigmoid(teacher/T), x T^2, averaged over the labels as the hard term is. It
+      differs from the binary KL by the teacher's entropy, a constant of the student: same gradients, and the
+      form torch computes stably from logits.
+    - regression: (student - teacher)^2; a temperature has nothing to soften.
+
+    Per sample, so the loop weights samples and normalises by the whole window's sample weight as it does the
+    plain loss.
+    """
+    s, t = logits.float(), teacher.float()
+    if problem_type == "regression":
+        s, t = s.squeeze(-1), t.squeeze(-1)
+        return alpha * gold * (s - labels.float()) ** 2 + (1.0 - alpha) * (s - t) ** 2
+    hard = fp32_per_sample_loss(s, labels, problem_type)
+    if problem_type == "multi_label_classification":
+        target = torch.sigmoid(t / temperature)
+        soft = F.binary_cross_entropy_with_logits(s / temperature, target, reduction="none").mean(-1)
+    else:
+        log_p = F.log_softmax(t / temperature, dim=-1)
+        soft = F.kl_div(F.log_softmax(s / temperature, dim=-1), log_p, reduction="none", log_target=True).sum(-1)
+    return alpha * gold * hard + (1.0 - alpha) * temperature**2 * soft
+
+
 # ----------------------------------------------------------------------------------------------
 # fp32 norms.
 

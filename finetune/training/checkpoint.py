@@ -36,7 +36,7 @@ from finetune.config.schema import Config
 from finetune.config.tasks import lower_is_better
 from finetune.core import faults
 from finetune.core.errors import UserError
-from finetune.core.fileio import file_sha256, read_jsonl
+from finetune.core.fileio import TEACHER_DIR, file_sha256, read_jsonl
 
 logger = logging.getLogger("finetune")
 
@@ -384,10 +384,28 @@ def check_compatible(path: Path, current: dict[str, Any], data_sha256: dict[str,
 
 
 def _empty(run_dir: Path) -> bool:
-    """No run directory, or nothing in it but an empty checkpoints/ folder."""
+    """No run directory, or nothing in it but an empty checkpoints/ folder (and a teacher cache)."""
     if not run_dir.is_dir():
         return True
-    return all(p.name == "checkpoints" and p.is_dir() and not any(p.iterdir()) for p in run_dir.iterdir())
+    return all(p.name == "checkpoints" and p.is_dir() and not any(p.iterdir()) for p in run_files(run_dir))
+
+
+def run_files(run_dir: Path) -> list[Path]:
+    """What a run directory holds besides a distilling run's teacher cache (`TEACHER_DIR`), which a run stopped
+    while its teacher computed leaves alone; the cache checks itself against its teacher and texts."""
+    return [p for p in run_dir.iterdir() if p.name != TEACHER_DIR]
+
+
+def clear_run_dir(run_dir: Path, keep_teacher: bool) -> None:
+    """`run.overwrite`: empty the run directory; with `keep_teacher` all but the teacher cache, which a distilling
+    run has computed (or checked) before it clears its directory."""
+    if not run_dir.is_dir():
+        return
+    for p in run_files(run_dir) if keep_teacher else list(run_dir.iterdir()):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _holds_this_run(run_dir: Path, current: dict[str, Any]) -> bool:
@@ -650,9 +668,10 @@ def check_output_dir(cfg: Config) -> Path:
     if out.is_dir() and (out / "audit.yaml").is_file() and not (out / "config.yaml").is_file():
         # `finetune audit`'s directory (its label_issues.csv is what a run without those rows reads)
         raise UserError(f"run.output_dir {out} holds a finetune audit; train into another one, e.g. {out}-clean")
-    if out.is_dir() and any(out.iterdir()) and cfg.checkpoint.resume is None and not cfg.run.overwrite:
+    filled = out.is_dir() and bool(run_files(out))
+    if filled and cfg.checkpoint.resume is None and not cfg.run.overwrite:
         raise UserError(f"run.output_dir {out} is not empty; set run.overwrite=true or checkpoint.resume=auto")
-    if out.is_dir() and any(out.iterdir()) and cfg.run.overwrite and not (out / "config.yaml").is_file():
+    if filled and cfg.run.overwrite and not (out / "config.yaml").is_file():
         # overwrite deletes the whole directory: only ever a run's own (`run.output_dir=.` or a parent would go too)
         raise UserError(
             f"run.output_dir {out} is not empty and holds no finetune run (no config.yaml); "
