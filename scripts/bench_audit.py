@@ -292,28 +292,34 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records for docs/results: per data set, noise rate, variant and measure, the median over seeds with every
-    seed's value."""
+    """Records for docs/results: per data set, noise rate, variant and measure, the median over the seeds that
+    measured it, with every such seed's value (the cheap baseline may have run on more seeds than the audit).
+    Without flipped labels only the flagged share means something."""
     out = []
     for name, rate, variant, group in groups(results):
-        seeds = [g["seed"] for g in group]
         where = f"{SETS[name]['name']}, {100 * rate:.0f}% of labels flipped"
-        measures: list[tuple[str, str, list[float], Any]] = []
+        rows = len(read_rows(SETS[name])[1])
+        found: list[tuple[str, str, list[int], list[float], Any]] = []  # what, metric, seeds, values, interval
         for who, label in (("audit", "`finetune audit` (MiniLM)"), ("tfidf", "TF-IDF + LR baseline")):
-            if all(who in g for g in group):
-                for m in ("precision", "recall", "f1"):
-                    measures.append((f"{where}: {label}", f"flagged {m}", [g[who][m] for g in group], None))
-                rows = len(read_rows(SETS[name])[1])
-                measures.append((f"{where}: {label}", "flagged share", [g[who]["flagged"] / rows for g in group], None))
+            got = [g for g in group if who in g]
+            seeds = [g["seed"] for g in got]
+            for m in ("precision", "recall", "f1") if got and rate > 0 else ():
+                found.append((f"{where}: {label}", f"flagged {m}", seeds, [g[who][m] for g in got], None))
+            if got:
+                share = [g[who]["flagged"] / rows for g in got]
+                found.append((f"{where}: {label}", "flagged share", seeds, share, None))
         recipe = f" with `{variant}`" if variant else ""
         for kind, label in (("noisy", "trained on the noisy labels"), ("cleaned", "trained without the flagged rows"),
                             ("clean", "trained on the clean labels")):  # fmt: skip
-            if all(kind in g for g in group):
+            got = [g for g in group if kind in g]
+            if got:
                 split, key = SETS[name]["metric"]
                 metric = f"{split}.{key}" if split else key
-                ci = group[len(group) // 2][kind][1]
-                measures.append((f"{where}: {label}{recipe}", metric, [g[kind][0] for g in group], ci))
-        for what, metric, values, ci in measures:
+                ci = got[len(got) // 2][kind][1]
+                found.append(
+                    (f"{where}: {label}{recipe}", metric, [g["seed"] for g in got], [g[kind][0] for g in got], ci)
+                )
+        for what, metric, seeds, values, ci in found:
             out.append(record_fields("audit", what, metric, float(np.median(values)), ci, seeds) | {"runs": values})
     return out
 
