@@ -122,8 +122,10 @@ def prepare_dir(cfg: Config, digest: str) -> Path:
     if out.exists() and not out.is_dir():
         raise UserError(f"run.output_dir {out} exists and is not a directory")
     saved = out / CONFIG_FILE
-    # the config as an audit compares it: run.overwrite=true starts one afresh and is not part of what it audits
-    same = dump_config(cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": False})}))
+    # the config as an audit compares it: run.overwrite=true starts one afresh, and audit.filter_by only ranks the
+    # folds' predictions again, so neither is part of what the folds computed
+    run, audit = cfg.run.model_copy(update={"overwrite": False}), cfg.audit.model_copy(update={"filter_by": None})
+    same = dump_config(cfg.model_copy(update={"run": run, "audit": audit}))
     same += f"# data sha256 (the audited rows' texts and labels): {digest}\n"
     if out.is_dir() and any(out.iterdir()):
         if not saved.is_file():

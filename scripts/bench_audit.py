@@ -159,19 +159,12 @@ def init_config(spec: dict[str, Any], path: Path, folder: Path) -> Path:
 
 
 def audit(config: Path, path: Path, out: Path) -> tuple[set[int], float]:
-    """`finetune audit` on `config` with `path` as its training file: the flagged rows, the wall time."""
-    issues = out / "label_issues.csv"
-    start = time.perf_counter()
-    if not issues.is_file():
-        cmd = [sys.executable, "-m", "finetune.cli", "audit", "--config", str(config),
-               f"data.train_file={path}", f"run.output_dir={out}"]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-3000:]}")
-        print(proc.stderr.strip().splitlines()[-2], file=sys.stderr, flush=True)
-    seconds = json.loads((out / "audit.json").read_text())["seconds"]
-    with open(issues, newline="", encoding="utf-8") as f:
-        return {int(r["row"]) for r in csv.DictReader(f)}, seconds if seconds else time.perf_counter() - start
+    """`finetune audit` on `config` with `path` as its training file: the flagged rows and the audit's seconds (a
+    finished audit run again only ranks its folds' saved predictions again)."""
+    cli(["audit", "--config", str(config), f"data.train_file={path}", f"run.output_dir={out}"])
+    seconds = sum(json.loads((out / "audit.json").read_text())["fold_seconds"].values())
+    with open(out / "label_issues.csv", newline="", encoding="utf-8") as f:
+        return {int(r["row"]) for r in csv.DictReader(f)}, seconds
 
 
 def accuracy(

@@ -72,7 +72,7 @@ def _config(tmp_path: Path, data: Path, name: str = "tiny.yaml", **updates: obje
             "train.learning_rate": 3e-3,
             "checkpoint.every_steps": 4,
             "audit.folds": 3,
-            "audit.epochs": 4,
+            "audit.epochs": 8,
             **updates,
         },
         name,

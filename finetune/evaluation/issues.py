@@ -44,7 +44,7 @@ def check_cleanlab() -> Any:
 
 
 def find_label_issues(
-    labels: list[Any], probs: np.ndarray, problem_type: str, filter_by: str = "prune_by_noise_rate"
+    labels: list[Any], probs: np.ndarray, problem_type: str, filter_by: str = "low_self_confidence"
 ) -> list[LabelIssue]:
     """The rows of `labels` (label ids; multi-label: lists of ids) whose label is likely wrong given `probs`
     (out-of-sample probabilities, one row per label row), most likely wrong first.
