@@ -3,9 +3,10 @@
 Per data set, noise rate and seed: a copy of the training file with that share of labels flipped uniformly at
 random to another class (seeded), then side by side
 - `finetune audit` on the shipped config pointed at the noisy copy (MiniLM; `audit.*` defaults: 5 folds, one
-  epoch a fold, cleanlab's prune_by_noise_rate): precision and recall of the flagged rows against the flipped ones;
+  epoch a fold on these sizes, cleanlab's low_self_confidence): precision and recall of the flagged rows against
+  the flipped ones;
 - the cheap baseline: cleanlab on out-of-sample probabilities of TF-IDF (1-2 grams) + logistic regression, 5
-  stratified folds, the same filter;
+  stratified folds, the audit's filter (`audit.filter_by`'s default);
 - the test accuracy of the shipped config trained on the noisy copy, on the noisy copy minus the flagged rows
   (`data.exclude_rows`), and on the clean file (once a seed).
 
@@ -32,6 +33,8 @@ from typing import Any
 
 import numpy as np
 from benchlib import ROOT, markdown_table, record_fields, train_run
+
+from finetune.config.schema import AuditConfig  # importable once benchlib has put the repository on sys.path
 
 DATA = Path(os.environ.get("FINETUNE_DATA_DIR") or ROOT.parent / "shared" / "data")
 SETS: dict[str, dict[str, Any]] = {
@@ -69,6 +72,7 @@ SETS: dict[str, dict[str, Any]] = {
         "metric": ("test", "accuracy"),
     },
 }
+FILTER = AuditConfig().filter_by  # the baseline ranks with the audit's own rule
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "FINETUNE_DATA_DIR": str(DATA)}
 
 
@@ -131,7 +135,7 @@ def tfidf_flagged(path: Path, spec: dict[str, Any], seed: int) -> set[int]:
     probs = cross_val_predict(
         model, texts, y, cv=StratifiedKFold(5, shuffle=True, random_state=seed), method="predict_proba"
     )
-    return set(np.flatnonzero(find_label_issues(y, probs, filter_by="prune_by_noise_rate")).tolist())
+    return set(np.flatnonzero(find_label_issues(y, probs, filter_by=FILTER)).tolist())
 
 
 def cli(args: list[str]) -> None:
@@ -235,8 +239,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     saved = args.work / "results.jsonl"
-    if args.summarize:
-        results = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
+    if args.summarize:  # a cell measured again replaces its earlier result
+        lines = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
+        results = list({(*_key(r), r["seed"]): r for r in lines}.values())
     else:
         results = []
         for name in args.datasets:

@@ -81,7 +81,7 @@ AREAS: dict[str, tuple[str, str]] = {
         "Wrong labels: `finetune audit`",
         "scripts/bench_audit.py: a share of the training labels flipped uniformly at random to another class "
         "(seeded), then `finetune audit` on the shipped MiniLM config pointed at the noisy copy (5 folds, one epoch a "
-        "fold, cleanlab's prune_by_noise_rate) against the same cleanlab filter on 5-fold TF-IDF + logistic regression "
+        "fold, cleanlab's low_self_confidence) against the same cleanlab filter on 5-fold TF-IDF + logistic regression "
         "probabilities: precision and recall of the flagged rows against the flipped ones; then the shipped config "
         "trained on the noisy copy, on it without the flagged rows (`data.exclude_rows`) and on the clean file. "
         "value: the median over seeds (runs: every seed's).",
