@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import ROOT, markdown_table, record_fields, train_run
+from benchlib import ROOT, append_jsonl, markdown_table, record_fields, train_run
 
 from finetune.config.schema import AuditConfig  # importable once benchlib has put the repository on sys.path
 
@@ -250,13 +250,10 @@ def main() -> None:
                     r = one(name, rate, seed, args.work, args.tfidf_only, args.variant)
                     results.append(r)
                     print(json.dumps(r), flush=True)
-                    with saved.open("a") as f:  # each result as it comes: a long bench survives an interruption
-                        f.write(json.dumps(r) + "\n")
+                    append_jsonl(saved, [r])  # each result as it comes: a long bench survives an interruption
     print(table(results))
     if args.record:
-        with args.record.open("a") as f:
-            for rec in records(results):
-                f.write(json.dumps(rec) + "\n")
+        append_jsonl(args.record, records(results))
 
 
 def _mean(values: list[float]) -> float:

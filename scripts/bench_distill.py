@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchlib import ROOT, markdown_table, record_fields
+from benchlib import ROOT, append_jsonl, markdown_table, record_fields
 
 DATA = Path(os.environ.get("FINETUNE_DATA_DIR") or ROOT.parent / "shared" / "data")
 SST2_SLICE = 16_000  # configs/sst2-*.yaml's data.max_train_samples
@@ -256,13 +256,10 @@ def main() -> None:
         for name in args.datasets:
             for r in one(name, args.seeds, args.work, args.predict_rows):
                 results.append(r)
-                with saved.open("a") as f:
-                    f.write(json.dumps(r) + "\n")
+                append_jsonl(saved, [r])
     print(table(results))
     if args.record:
-        with args.record.open("a") as f:
-            for rec in records(results):
-                f.write(json.dumps(rec) + "\n")
+        append_jsonl(args.record, records(results))
 
 
 if __name__ == "__main__":

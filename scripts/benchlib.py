@@ -54,6 +54,12 @@ def record_fields(area: str, what: str, metric: str, value: float, interval: Any
     }
 
 
+def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Append `rows` to a JSON-lines file, one line each (a bench's results as they come, a records file)."""
+    with path.open("a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
 @dataclass
 class TrainRun:
     """One `finetune/train.py` child: final/'s eval.json (None when the run failed), its wall time, and
