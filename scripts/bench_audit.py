@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -315,7 +316,11 @@ def records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     (f"{where}: {label}{recipe}", metric, [g["seed"] for g in got], [g[kind][0] for g in got], ci)
                 )
         for what, metric, seeds, values, ci in found:
-            out.append(record_fields("audit", what, metric, float(np.median(values)), ci, seeds) | {"runs": values})
+            rec = record_fields("audit", what, metric, float(np.median(values)), ci, seeds) | {"runs": values}
+            # the command that measures the row (a --summarize run only reads results back)
+            command = [".venv/bin/python", "scripts/bench_audit.py", "--datasets", name, "--noise", f"{rate:g}"]
+            command += ["--seeds", *map(str, seeds), *(["--variant", *variant.split()] if variant else [])]
+            out.append(rec | {"command": shlex.join(command)})
     return out
 
 
