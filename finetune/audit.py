@@ -20,7 +20,6 @@ import io
 import json
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -34,6 +33,7 @@ from finetune.config.files import apply_overrides, dump_config, validate_config
 from finetune.config.schema import Config
 from finetune.config.tasks import MULTI, REGRESSION, SINGLE
 from finetune.core.errors import UserError
+from finetune.core.fileio import write_atomic
 from finetune.data.reading import EXCLUDE_COLUMN, LabelTarget, TrainRows, read_train_rows
 from finetune.deploy.card import plot_confusion_matrix
 from finetune.deploy.final import load_final
@@ -144,7 +144,7 @@ def prepare_dir(cfg: Config, digest: str) -> Path:
                 "run.output_dir, or set run.overwrite=true to start this one afresh"
             )
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(saved, same)
+    write_atomic(saved, same)
     return out
 
 
@@ -181,18 +181,12 @@ def fold_config(cfg: Config, fold_dir: Path, exclude: Path, epochs: float, max_m
     return validate_config(raw, source=f"audit {fold_dir.name}")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _write_exclusions(path: Path, rows: list[int]) -> None:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow([EXCLUDE_COLUMN])
     w.writerows([r] for r in rows)
-    _write_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def holdout_logits(final: Path, texts: list[str], pairs: list[str] | None) -> np.ndarray:
@@ -297,7 +291,7 @@ def run_audit(cfg: Config, minutes: float | None = None) -> dict[str, Any]:
         axes = ("suggested label (out of sample)", "given label")
         plot_confusion_matrix(swaps.tolist(), rows.label_names, out / PLOT_FILE, title, axes)
         summary["plot"] = str(out / PLOT_FILE)
-    _write_atomic(out / AUDIT_FILE, json.dumps(summary, indent=2))
+    write_atomic(out / AUDIT_FILE, json.dumps(summary, indent=2))
     return summary
 
 
@@ -341,7 +335,7 @@ def _fold(
     held_pairs = [pairs[i] for i in held] if pairs is not None else None
     logits = holdout_logits(Path(fcfg.run.output_dir) / "final", [texts[i] for i in held], held_pairs)
     seconds = time.perf_counter() - fold_start
-    _write_atomic(done, json.dumps({"rows": file_rows, "logits": logits.tolist(), "seconds": seconds}))
+    write_atomic(done, json.dumps({"rows": file_rows, "logits": logits.tolist(), "seconds": seconds}))
     return logits, seconds
 
 
@@ -374,7 +368,7 @@ def write_issues(
                 f"{x.score:.4f}",
             ]
         )
-    _write_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def _summary(

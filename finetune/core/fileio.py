@@ -1,5 +1,6 @@
 """File primitives every layer shares, with no finetune imports: the one content hasher
-(`file_sha256`) and the one reader of the JSON-lines files a run appends to (`read_jsonl`).
+(`file_sha256`), the one reader of the JSON-lines files a run appends to (`read_jsonl`) and the one atomic
+writer of a small file (`write_atomic`: the audit's files, the teacher cache).
 
 They sit at the bottom of the layers because their users span them: the data files' sha256
 (data/build.py), checkpoint manifests (checkpoint.py), metrics.jsonl for memory.png and the run's peak
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def file_sha256(path: Path) -> str:
@@ -28,6 +31,18 @@ def file_sha256(path: Path) -> str:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def write_atomic(path: Path, data: str | bytes | Callable[[BinaryIO], object]) -> None:
+    """Write `path` whole or not at all: text (utf-8), bytes, or what `data(file)` writes, into a temporary file
+    beside it that is then renamed over it (a reader never sees a torn file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        if callable(data):
+            data(f)
+        else:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    os.replace(tmp, path)
 
 
 METRICS_FILE = "metrics.jsonl"  # a run's log rows, in its run directory

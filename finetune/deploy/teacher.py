@@ -27,7 +27,7 @@ import torch
 from finetune.config.schema import Config
 from finetune.config.tasks import SINGLE
 from finetune.core.errors import UserError
-from finetune.core.fileio import TEACHER_DIR, file_sha256
+from finetune.core.fileio import TEACHER_DIR, file_sha256, write_atomic
 from finetune.deploy.final import check_final, load_final, weight_files
 from finetune.deploy.predict import model_logits
 
@@ -96,13 +96,6 @@ def _read_chunk(path: Path, rows: int) -> np.ndarray | None:
     return chunk if chunk.ndim == 2 and len(chunk) == rows else None
 
 
-def _write_atomic(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    tmp.replace(path)
-
-
 class _OnDevice:
     """The teacher on the run's device, taking `model_logits`' host batches and answering on the host."""
 
@@ -130,7 +123,7 @@ def teacher_logits(
     if write and not valid:  # another teacher, other texts or another chunk size: its chunks are not these
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir(parents=True)
-        _write_atomic(cache / MANIFEST, lambda f: f.write(json.dumps(want, indent=2).encode()))
+        write_atomic(cache / MANIFEST, json.dumps(want, indent=2))
         valid = True
     chunks, loaded, computed = [], None, 0
     count = math.ceil(len(texts) / chunk_size)
@@ -147,7 +140,7 @@ def teacher_logits(
                 dtype=np.float32,
             )
             if write:
-                _write_atomic(path, lambda f, c=chunk: np.save(f, c, allow_pickle=False))
+                write_atomic(path, lambda f, c=chunk: np.save(f, c, allow_pickle=False))
             computed += 1
             logger.info(f"teacher: chunk {i + 1}/{count} ({end} of {len(texts)} texts)")
         chunks.append(chunk)
