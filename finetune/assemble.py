@@ -32,6 +32,7 @@ from finetune.model.precision import (
     compile_model,
     dtype_audit,
 )
+from finetune.model.probe import probe_head
 from finetune.training import checkpoint as ckpt
 from finetune.training.checkpoint import TrainingProgress
 from finetune.training.nodes import check_shared_storage
@@ -48,6 +49,16 @@ def train_targets(data: Data) -> torch.Tensor | None:
     if "gold" in data.train.column_names:  # distillation: an unlabeled row's label is a placeholder
         labels = [y for y, gold in zip(labels, data.train["gold"][:], strict=True) if gold]
     return torch.tensor(labels, dtype=torch.float64)
+
+
+def start_head(cfg: Config, model: torch.nn.Module, data: Data, tokenizer: Any, resume_from: Path | None) -> list[str]:
+    """`model.head_init=probe` on a fresh run: the output layer fitted to the training rows' features
+    (model/probe.py); a resumed run's head comes from its checkpoint. Returns the log lines."""
+    if cfg.model.head_init != "probe" or resume_from is not None:
+        return []
+    micro = cfg.train.micro_batch_size if isinstance(cfg.train.micro_batch_size, int) else 32
+    loader = build_eval_loader(data.train, tokenizer, micro, cfg.data.num_workers)
+    return [probe_head(model, loader)]
 
 
 def build_policy_model(

@@ -39,6 +39,7 @@ from finetune.assemble import (
     memory_summary,
     precision_monitor,
     prepare_run_dir,
+    start_head,
     step_bar,
     train_targets,
 )
@@ -216,6 +217,7 @@ def train(
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer, total_steps)
     resume_from = find_resume(cfg, accelerator, run_dir, data)
+    notes += start_head(cfg, model, data, tokenizer, resume_from)  # head_init=probe: a linear probe
 
     prepare_run_dir(cfg, accelerator, run_dir, data, audit, resume_from)
     setup_logging(accelerator, run_dir)

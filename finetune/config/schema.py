@@ -132,13 +132,23 @@ class ModelConfig(_Section):
         "8bit: LLM.int8) and train LoRA on it (QLoRA; needs model.lora); the head and norms stay unquantized, "
         "final/ is the unquantized base with the adapters merged",
     )
-    head_init: Literal["prior", "random"] = Field(
+    head_init: Literal["prior", "probe", "random"] = Field(
         "prior",
         description="the output layer's starting point: prior sets its bias to each label's log-odds in the training "
         "data (multi-label) or to the target mean, with weights scaled by the target spread (regression), so the "
         "first steps learn the text rather than the base rate; single-label heads keep the model's random init; "
-        "random: the model's own init everywhere",
+        "probe (single-label): a logistic regression fitted on the starting model's features of the training rows "
+        "(what the output layer reads), written into the output layer, so fine-tuning starts from a linear probe "
+        "(few rows a class: `finetune init` writes it); random: the model's own init everywhere",
         json_schema_extra=MAY_CHANGE_ON_RESUME,  # a resumed run's head comes from the checkpoint
+    )
+    pooling: Literal["first", "mean"] = Field(
+        "first",
+        description="what the classifier reads: first, the family's own (the first token's state, through its pooler "
+        "where it has one); mean, a frozen layer appended to the encoder that puts the mean of the token states into "
+        "the first position (the pooling sentence-transformers checkpoints were trained with), so final/ stays the "
+        "family's own *ForSequenceClassification with one more layer (BERT, RoBERTa, ELECTRA and MPNet families; "
+        "docs/ARCHITECTURE.md)",
     )
     pooler_init: Literal["auto", "checkpoint", "identity"] = Field(
         "auto",
@@ -821,6 +831,8 @@ class Config(_Section):
             )
         if kind != SINGLE and self.train.class_weights is not None:
             raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
+        if kind != SINGLE and self.model.head_init == "probe":
+            raise ValueError(f"model.head_init=probe fits a single-label logistic regression, not {kind}")
         if kind == REGRESSION and self.train.loss == "focal":
             raise ValueError("train.loss=focal is a classification loss; model.problem_type=regression uses MSE")
         if self.train.label_smoothing and (kind != SINGLE or self.train.loss == "focal"):

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from finetune.config.schema import Config
 from finetune.core.errors import UserError
 from finetune.model.families import enable_checkpointing, start_pooler
+from finetune.model.pooling import append_mean_layer
 from finetune.model.precision import apply_precision_policy, within
 from finetune.model.sources import resolve_model_path, save_on_this_process
 
@@ -192,6 +193,10 @@ def build_model(
             dtype=torch.float32,
         )
     use_pad_token(model, tokenizer)
+    if m.pooling == "mean":
+        note = append_mean_layer(model)
+        if notes is not None:
+            notes.append(note)
     if cfg.train.reinit_top_layers:
         reinit_top_layers(model, cfg.train.reinit_top_layers)
     if m.dropout_p is not None:  # before LoRA, whose adapters keep model.lora.dropout
