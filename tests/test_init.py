@@ -331,7 +331,8 @@ def test_init_recognises_each_layout_and_its_config_reads_as_written(
     assert {k: getattr(cfg.data, k) for k in keys} == keys
     raw = load_raw_splits(cfg)
     assert raw.label_names == labels
-    assert len(raw.train) + len(raw.validation) == (45 if layout == "label_files" else 40)
+    held = len(raw.validation) if raw.validation is not None else 0  # few rows a class: no slice (few-shot)
+    assert len(raw.train) + held == (45 if layout == "label_files" else 40)
     if layout == "label_files":  # the latin-1 file decodes as written, blank lines skipped
         assert any(t.endswith("café") for t in raw.train["text"]) and "" not in raw.train["text"]
     data = build_data(cfg, tokenizer)  # the whole data path of `finetune train`, tokenized as written
@@ -434,7 +435,7 @@ def test_init_reads_parquet_under_another_name(tmp_path: Path) -> None:
     out = tmp_path / "p.yaml"
     assert _init(path, out) == 0
     cfg = load_config(out)
-    assert cfg.data.format == "parquet" and len(load_raw_splits(cfg).train) == 32  # a fifth held out: 8 rows
+    assert cfg.data.format == "parquet" and len(load_raw_splits(cfg).train) == 40  # few-shot: every row trains
 
 
 def test_init_max_length_stays_within_the_models_positions(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -488,4 +489,4 @@ def test_init_sees_a_table_as_training_reads_it(tmp_path: Path, capfd: pytest.Ca
     sniffed, _, _ = sniff_data(path)
     trained = read_file(cfg, path)
     assert sniffed.columns[" review "] == trained[" review "][:] == [r.split("\t")[0] for r in rows]
-    assert "2 classes, 20 training rows a class" in capfd.readouterr().err  # 50 rows, a fifth held out
+    assert "2 classes, 25 training rows a class" in capfd.readouterr().err  # 50 rows, few-shot: none held out

@@ -58,7 +58,9 @@ def test_a_large_binary_file_gets_few_passes_a_capped_slice_and_a_budget() -> No
     assert f"time budget {expected} minutes" in " ".join(r.notes)
 
 
-def test_init_on_many_small_classes_writes_and_says_the_recipe(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+def test_init_on_many_small_classes_writes_and_says_the_few_shot_recipe(
+    tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
     rng = random.Random(0)
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "quiet", "storm", "lamp"]
     rows = [{"text": " ".join(rng.choices(words, k=6)), "label": f"intent_{i % 40}"} for i in range(480)]
@@ -68,14 +70,35 @@ def test_init_on_many_small_classes_writes_and_says_the_recipe(tmp_path: Path, c
     assert cli_main(["init", str(path), "-o", str(out), "--no-budget"]) == 0
     err = capfd.readouterr().err
     raw = yaml.safe_load(out.read_text())
-    # 480 rows: a slice of 96 (a fifth: 4 a class would be 160); 384 left, 9.6 a class -> 20 epochs
-    assert raw["data"]["validation_split"] == 0.2 and raw["train"]["epochs"] == 20
-    assert raw["train"]["early_stopping_patience"] == 2  # 12 steps an epoch: one evaluation an epoch, 2 epochs
-    assert (
-        raw["checkpoint"]["export"] == "best" and raw["checkpoint"]["every_steps"] == raw["train"]["eval_every_steps"]
-    )
-    assert "40 classes, 10 training rows a class" in err and "96 training rows held out" in err
-    load_config(out)  # it validates as written
+    # 12 rows a class: every row trains (no slice), mean pooling, a probe head, the fixed passes in steps of 16
+    assert "validation_split" not in raw["data"]
+    assert raw["model"]["pooling"] == "mean" and raw["model"]["head_init"] == "probe"
+    fixed, cfg = recipe_module.FEWSHOT, load_config(out)  # keys at the schema's default are not written
+    assert cfg.train.epochs == fixed["epochs"] and cfg.train.learning_rate == fixed["learning_rate"]
+    assert cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps == recipe_module.FEWSHOT_BATCH
+    assert cfg.train.early_stopping_patience is None and cfg.checkpoint.export == "last"
+    assert "40 classes, 12 training rows a class" in err and "few-shot recipe" in err
+    assert "stopping point: fixed, not chosen on validation" in err
+
+
+def test_the_few_shot_line_falls_at_its_rows_a_class() -> None:
+    line = recipe_module.FEWSHOT_ROWS
+    few = recipe_module.single_label(Shape(rows=2 * 8, class_rows={"a": 8, "b": 8}, pair=False, validation=0))
+    assert few.model == {"pooling": "mean", "head_init": "probe"} and few.data == {}
+    at = recipe_module.single_label(Shape(rows=2 * line, class_rows={"a": line, "b": line}, pair=False, validation=0))
+    assert at.model["pooling"] == "mean"
+    many = recipe_module.single_label(Shape(rows=600, class_rows={"a": 300, "b": 300}, pair=False, validation=0))
+    assert many.model == {} and many.data["validation_split"] > 0 and many.checkpoint["export"] == "best"
+
+
+def test_a_class_of_one_row_is_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = "".join(f"text number {i},{'a' if i < 7 else 'b'}\n" for i in range(8))  # 7 of a, 1 of b
+    (tmp_path / "few.csv").write_text("text,label\n" + rows)
+    out = tmp_path / "few.yaml"
+    assert cli_main(["init", str(tmp_path / "few.csv"), "-o", str(out), "--no-budget"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "class 'b' has 1 row" in err[0] and "at least 2 rows a class" in err[0]
+    assert not out.exists()
 
 
 @pytest.mark.slow
@@ -94,7 +117,7 @@ def test_init_times_a_step_of_the_model_and_writes_a_budget(
     cfg = load_config_for_tokenizer(str(model))
     seconds = step_seconds(cfg, ["a", "b"], build_tokenizer(cfg), 8, 2)
     assert 0 < seconds < 5
-    rows = "".join(f"word{i % 7} and word{i % 3},{i % 2}\n" for i in range(60))
+    rows = "".join(f"word{i % 7} and word{i % 3},{i % 2}\n" for i in range(160))  # 80 a class: not few-shot
     (tmp_path / "small.csv").write_text("text,label\n" + rows)
     out = tmp_path / "small.yaml"
     assert cli_main(["init", str(tmp_path / "small.csv"), "-o", str(out), "--model", str(model)]) == 0
@@ -230,7 +253,7 @@ def test_init_without_a_model_times_each_encoder_and_fits_the_minutes(
     monkeypatch.setattr(recipe_module, "ENCODERS", tuple(aliases))
     monkeypatch.setattr(initconfig, "ENCODERS", tuple(aliases))
     (tmp_path / "d.csv").write_text(
-        "text,label\n" + "".join(f"word{i % 7} and word{i % 3},{i % 2}\n" for i in range(60))
+        "text,label\n" + "".join(f"word{i % 7} and word{i % 3},{i % 2}\n" for i in range(160))  # not few-shot
     )
 
     notes = init_config(tmp_path / "d.csv", tmp_path / "a.yaml", minutes=1000)

@@ -58,6 +58,16 @@ BUDGET_FACTOR = 1.5  # the budget over the time the epochs bound takes at the me
 BEST_WITHIN_SE = 1.0
 
 
+# A handful of rows a class (at most FEWSHOT_ROWS on average): no validation slice worth the name can be carved,
+# and a randomly initialised head fine-tuned for a few steps stays near chance. The few-shot recipe reads the
+# encoder through mean pooling (model.pooling=mean), starts the head from a logistic regression on those features
+# (model.head_init=probe) and fine-tunes everything for a fixed number of passes at FEWSHOT's rate, every row in
+# training; how the constants were chosen is in docs/ARCHITECTURE.md ("A handful of rows a class").
+FEWSHOT_ROWS = 64
+FEWSHOT_MIN_ROWS = 2  # rows a class the few-shot path needs (a class of one row is a label with no example to learn)
+FEWSHOT = {"epochs": 20, "learning_rate": 5e-5, "warmup_ratio": 0.1}
+FEWSHOT_BATCH = 16  # rows a step: a few dozen rows still make several steps a pass
+
 KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
 
 # The encoders `finetune init` times and compares when no --model is given: the default first, stronger later
@@ -167,6 +177,7 @@ class Recipe:
 
     train: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
     checkpoint: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     minutes: float | None = None  # the run's estimated length at the measured step (None: no step measured)
@@ -253,6 +264,64 @@ def adaptive(shape: Shape) -> Recipe:
     return r
 
 
+def is_fewshot(shape: Shape) -> bool:
+    """Whether `shape` (single-label) gets the few-shot recipe: at most FEWSHOT_ROWS rows a class on average."""
+    return bool(shape.class_rows) and shape.rows / len(shape.class_rows) <= FEWSHOT_ROWS
+
+
+def fewshot(shape: Shape) -> Recipe:
+    """The few-shot recipe for `shape` (FEWSHOT's comment), with its reasons.
+
+    Raises:
+        UserError: a class with fewer than FEWSHOT_MIN_ROWS rows, or fewer than 2 classes.
+    """
+    small = sorted(k for k, v in shape.class_rows.items() if v < FEWSHOT_MIN_ROWS)
+    if small or len(shape.class_rows) < 2:
+        what = f"class {small[0]!r} has {shape.class_rows[small[0]]} row" if small else "one class"
+        raise UserError(
+            f"{shape.rows} training rows and {what}: the few-shot recipe needs at least {FEWSHOT_MIN_ROWS} rows a "
+            "class in 2 classes or more (8 a class or more give a useful model)"
+        )
+    r = Recipe()
+    classes = len(shape.class_rows)
+    per_class = shape.rows / classes
+    r.model |= {"pooling": "mean", "head_init": "probe"}
+    r.train |= FEWSHOT
+    batch = min(shape.batch, FEWSHOT_BATCH)
+    steps = FEWSHOT["epochs"] * math.ceil(shape.rows / batch)
+    r.notes.append(
+        f"{classes} classes, {per_class:,.0f} training rows a class (at most {FEWSHOT_ROWS} a class on average): the "
+        "few-shot recipe: the encoder read through mean pooling (model.pooling=mean), the head started from a "
+        f"logistic regression on those features (model.head_init=probe), then {FEWSHOT['epochs']} passes at "
+        f"learning rate {FEWSHOT['learning_rate']:g} ({steps} steps)"
+    )
+    validation = (
+        f"the {shape.validation:,} rows of the validation file are scored at the end"
+        if shape.validation
+        else "no validation slice is held out"
+    )
+    r.notes.append(
+        f"stopping point: fixed, not chosen on validation ({validation}): with a few rows a class a held-out slice "
+        "cannot rank checkpoints, so the recipe's passes were measured once on other data (docs/ARCHITECTURE.md); "
+        "the test interval is the test rows' sampling error for this model, not the spread between different "
+        "draws of the few training rows, which is larger (docs/RESULTS.md)"
+    )
+    if shape.step_seconds is not None:  # no train.max_minutes: a fixed recipe, and no checkpoint ranking to end on
+        seconds = shape.step_seconds * batch / shape.batch
+        r.minutes = steps * seconds / 60
+        r.notes.append(f"estimated run: {r.minutes:.1f} minutes ({steps} steps at {seconds:.2f} s a step measured here)")
+    return r
+
+
+def single_label(shape: Shape) -> Recipe:
+    """The single-label recipe: few-shot (`fewshot`) for a handful of rows a class, else `adaptive`.
+
+    Raises:
+        UserError: too few rows for either (their Raises).
+    """
+    return fewshot(shape) if is_fewshot(shape) else adaptive(shape)
+
+
 def parameter_count(config: Any) -> int | None:
     """The encoder's parameters from a transformers config (embeddings + 12 h^2 a layer), None when unknown."""
     h, layers, vocab = (getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "vocab_size"))
@@ -308,14 +377,17 @@ def _sync(device: str) -> None:
 
 def train_keys(
     problem_type: str, shape: Shape, model: str, micro: int, accumulation: int, notes: list[str]
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(train, data, checkpoint) keys of the recipe, its reasons appended to `notes`: single-label adaptive
-    (recipe.adaptive), multi-label and regression from their tables."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(train, data, checkpoint, model) keys of the recipe, its reasons appended to `notes`: single-label few-shot
+    (recipe.fewshot) or adaptive (recipe.adaptive), multi-label and regression from their tables."""
     train: dict[str, Any] = {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation}
     if problem_type == SINGLE:
-        r = adaptive(shape)
+        r = single_label(shape)
+        if is_fewshot(shape):  # FEWSHOT_BATCH rows a step, in micro-batches no larger than the written ones
+            small = min(micro, FEWSHOT_BATCH)
+            train = {"micro_batch_size": small, "gradient_accumulation_steps": max(1, FEWSHOT_BATCH // small)}
         notes += r.notes
-        return train | r.train, r.data, r.checkpoint
+        return train | r.train, r.data, r.checkpoint, r.model
     r2 = recipe(problem_type, shape.rows, model)
     own = MODEL_RECIPES.get(model)
     notes.append(
@@ -330,5 +402,6 @@ def train_keys(
     return (
         {"epochs": r2["epochs"], **train, **{k: v for k, v in r2.items() if k != "epochs"}} | {"eval_every_steps": 200},
         data,
+        {},
         {},
     )

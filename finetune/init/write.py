@@ -26,12 +26,12 @@ from finetune.init.recipe import (
     KINDS,
     MODEL_RECIPES,
     Shape,
-    adaptive,
     choose_encoder,
     encoders_note,
     micro_batch,
     parameter_count,
     precision_mode,
+    single_label,
     step_seconds,
     train_keys,
 )
@@ -54,6 +54,7 @@ def render(
     problem_type: str | None,
     checkpoint: dict[str, Any] | None = None,
     precision: dict[str, Any] | None = None,
+    model_keys: dict[str, Any] | None = None,
 ) -> str:
     """The config text: launch line, schema modeline, the reasons as comments, then the sections."""
     lines = [
@@ -64,6 +65,7 @@ def render(
     lines += ["run:", f"  output_dir: runs/{Path(out_name).stem}", "  seed: 42", "model:", f"  name_or_path: {model}"]
     if problem_type:
         lines.append(f"  problem_type: {problem_type}")
+    lines += [f"  {k}: {_yaml(v)}" for k, v in (model_keys or {}).items()]
     lines.append("data:")
     lines += [f"  {k}: {_yaml(v)}" for k, v in data.items()]
     lines.append("train:")
@@ -150,7 +152,7 @@ def _estimate(alias: str, s: Sniffed, data: dict[str, Any], splits: dict[str, Pa
         shape = _shape(s, data, splits, alias, micro * accumulation)
         shape.parameters = parameter_count(model_config(cfg, tok)[0])
         _time_step(shape, cfg, tok, micro, accumulation, s.mean_tokens)
-        return float(adaptive(shape).minutes or 0.0), float(shape.step_seconds or 0.0)
+        return float(single_label(shape).minutes or 0.0), float(shape.step_seconds or 0.0)
     except UserError as e:
         return str(e)
     finally:
@@ -259,8 +261,10 @@ def init_config(
         s.notes.append(plan_note)
     if budget and problem_type == SINGLE:
         _time_step(shape, cfg, tok, micro, accumulation, s.mean_tokens, steps.get(model))
-    train, more_data, checkpoint = train_keys(problem_type, shape, model, micro, accumulation, s.notes)
-    if minutes is not None and minutes < train.get("max_minutes", math.inf):  # the user's budget bounds the recipe's
+    train, more_data, checkpoint, model_keys = train_keys(problem_type, shape, model, micro, accumulation, s.notes)
+    if minutes is not None and "max_minutes" not in train and problem_type == SINGLE:
+        s.notes.append(f"--minutes {minutes:g}: chose the encoder; the few-shot recipe's passes are fixed")
+    elif minutes is not None and minutes < train.get("max_minutes", math.inf):  # the user's budget bounds the recipe's
         s.notes.append(f"--minutes {minutes:g}: train.max_minutes {minutes:g} (the recipe's own budget replaced)")
         train["max_minutes"] = minutes
     data |= more_data
@@ -271,7 +275,8 @@ def init_config(
     train = {k: v for k, v in train.items() if v != TrainConfig.model_fields[k].default}
     out.parent.mkdir(parents=True, exist_ok=True)
     kind = problem_type if problem_type != SINGLE else None
-    out.write_text(render(model, str(out), data, train, s.notes, kind, checkpoint, {"mode": mode} if mode else None))
+    precision = {"mode": mode} if mode else None
+    out.write_text(render(model, str(out), data, train, s.notes, kind, checkpoint, precision, model_keys))
     try:
         load_config(out)  # what was written validates
     except UserError:
