@@ -309,7 +309,7 @@ def fewshot(shape: Shape) -> Recipe:
     if shape.step_seconds is not None:  # no train.max_minutes: a fixed recipe, and no checkpoint ranking to end on
         seconds = shape.step_seconds * batch / shape.batch
         r.minutes = steps * seconds / 60
-        r.notes.append(f"estimated run: {r.minutes:.1f} minutes ({steps} steps at {seconds:.2f} s a step measured here)")
+        r.notes.append(f"estimated run: {r.minutes:.1f} minutes ({steps} steps at {seconds:.2f} s a step timed here)")
     return r
 
 
