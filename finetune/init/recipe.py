@@ -72,6 +72,10 @@ KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
 
 # The encoders `finetune init` times and compares when no --model is given: the default first, stronger later
 ENCODERS = ("minilm-l6", "mpnet-base")
+# Without --minutes, the strongest installed encoder whose estimated run fits this many minutes is written (a
+# run on a few dozen rows fits on any of them; on tens of thousands of rows MiniLM's does): tens of minutes on
+# a laptop-class CPU, a coffee break rather than an evening
+DEFAULT_MINUTES = 30.0
 
 
 def choose_encoder(estimates: dict[str, tuple[float, float] | str], minutes: float | None) -> str:
@@ -82,7 +86,11 @@ def choose_encoder(estimates: dict[str, tuple[float, float] | str], minutes: flo
 
 
 def encoders_note(
-    estimates: dict[str, tuple[float, float] | str], chosen: str, minutes: float | None, data: str
+    estimates: dict[str, tuple[float, float] | str],
+    chosen: str,
+    minutes: float | None,
+    data: str,
+    default: bool = False,
 ) -> str:
     """init's line on each encoder's estimated run time here, which one it wrote and how to switch."""
     parts = []
@@ -94,12 +102,14 @@ def encoders_note(
             switch = "written" if alias == chosen else f"finetune init {data} --model {alias}"
             parts.append(f"{alias} about {max(1, round(e[0]))} min at {e[1]:.2f} s a step ({switch})")
     fits = minutes is not None and not isinstance(estimates.get(chosen, ""), str) and estimates[chosen][0] <= minutes
+    budget = f"the default budget of {minutes or 0:g} minutes (--minutes M sets another)" if default else ""
+    budget = budget or f"--minutes {minutes or 0:g}"
     why = (
         ""
         if minutes is None
-        else f"the strongest whose run fits --minutes {minutes:g}"
+        else f"the strongest whose run fits {budget}"
         if fits
-        else f"none fits --minutes {minutes:g}: the fastest, stopped at the budget"
+        else f"none fits {budget}: the fastest, stopped at the budget"
     )
     later = ", stronger" if len(ENCODERS) > 1 else ""
     return (

@@ -22,6 +22,7 @@ from finetune.config.schema import TrainConfig
 from finetune.config.tasks import SINGLE
 from finetune.core.errors import UserError
 from finetune.init.recipe import (
+    DEFAULT_MINUTES,
     ENCODERS,
     KINDS,
     MODEL_RECIPES,
@@ -238,8 +239,9 @@ def init_config(
     if budget and problem_type == SINGLE and model is None:
         estimates = {alias: _estimate(alias, s, data, splits) for alias in ENCODERS}
         steps = {alias: e[1] for alias, e in estimates.items() if not isinstance(e, str)}
-        model = choose_encoder(estimates, minutes)
-        s.notes.append(encoders_note(estimates, model, minutes, data_path.name))
+        budget_minutes = minutes if minutes is not None else DEFAULT_MINUTES
+        model = choose_encoder(estimates, budget_minutes)
+        s.notes.append(encoders_note(estimates, model, budget_minutes, data_path.name, default=minutes is None))
     model = model or ENCODERS[0]
     cfg = load_config_for_tokenizer(model)
     tok = build_tokenizer(cfg)
