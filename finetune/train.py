@@ -49,7 +49,7 @@ from finetune.config.tasks import SINGLE
 from finetune.core import faults
 from finetune.core.errors import UserError
 from finetune.core.fileio import METRICS_FILE
-from finetune.data.build import Data, build_data, build_train_loader, format_data_report
+from finetune.data.build import Data, build_data, build_eval_loader, build_train_loader, format_data_report
 from finetune.data.packing import attention_cost, packed_logits
 from finetune.data.window import OutOfMemoryGuard, adapt_to_launch, window_loss
 from finetune.deploy.card import write_model_card
@@ -76,9 +76,11 @@ from finetune.model.precision import (
     dtype_audit,
     format_audit,
     fp32_distill_loss,
+    fp32_pair_losses,
     fp32_per_sample_loss,
     release_cached_memory,
 )
+from finetune.model.probe import head_input, probe_head
 from finetune.training import checkpoint as ckpt
 from finetune.training.budget import TimeBudget
 from finetune.training.checkpoint import TrainingProgress
@@ -391,10 +393,12 @@ def run_window(run: Run, batches: Any) -> str:
         soft = batch.pop("teacher_logits", None), batch.pop("gold", None)  # distillation's teacher outputs
         batch.pop("doc", None)  # which text a window belongs to: evaluation's concern
         run.memory.note_batch(batch["input_ids"].shape)
-        with acc.accumulate(run.model), run.oom:
+        pairs = progress.step < cfg.train.contrastive_steps  # the contrastive opening: features, not logits
+        with acc.accumulate(run.model), run.oom, head_input(acc.unwrap_model(run.model), pairs) as tap:
             faults.oom_point("oom_at_step", progress.step + 1, (progress.batches_in_epoch - 1) % G, G)
             logits = packed_logits(run.model, batch) if cfg.data.packing else run.model(**batch).logits
-            per_sample = faults.nonfinite_point(sample_losses(cfg, logits, labels, *soft) * weight, progress.step + 1)
+            losses = fp32_pair_losses(tap.value, labels) if pairs else sample_losses(cfg, logits, labels, *soft)
+            per_sample = faults.nonfinite_point(losses * weight, progress.step + 1)
             acc.backward(window_loss(per_sample, window_samples, G, P))  # exact accumulation, tail window included
         if run.oom.hit:
             if P > 1:  # the other processes are in this step's collectives: no rank may redo it alone
@@ -496,6 +500,11 @@ def after_step(run: Run) -> None:
     step = progress.step
     run.memory.end_sample()
     faults.signal_point("step", step, run.run_dir, run.guard)
+    if step == cfg.train.contrastive_steps:  # the contrastive opening ends: the head refitted to the new features
+        loader = build_eval_loader(run.data.train, run.tokenizer, 2 * run.progress.micro_batch_size)
+        logger.info(
+            f"step {step}: contrastive steps done; " + probe_head(run.accelerator.unwrap_model(run.model), loader)
+        )
     if step % cfg.train.log_every_steps == 0 or step == run.total_steps:
         log_row(run)
     run.bar.update(1)  # after the row: a progress line shows this step's loss

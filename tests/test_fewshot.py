@@ -20,6 +20,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Bert
 from finetune.core import faults
 from finetune.core.errors import UserError
 from finetune.model.pooling import append_mean_layer
+from finetune.model.precision import fp32_pair_losses
 from finetune.model.probe import probe_head
 from finetune.model.sources import resolve_model_path
 from finetune.train import main
@@ -93,6 +94,25 @@ def test_probe_head_is_scikit_learns_logistic_regression(tokenizer: Any, num_lab
     np.testing.assert_allclose(probs.numpy(), reference.predict_proba(feats.numpy()), atol=1e-4)
 
 
+def test_pair_losses_are_the_pairwise_formula_in_float64() -> None:
+    torch.manual_seed(0)
+    features = torch.randn(7, 5, dtype=torch.bfloat16)
+    labels = torch.tensor([0, 0, 1, 2, 1, 0, 2])
+    got = fp32_pair_losses(features, labels)
+    x = features.double()
+    expected = []
+    for i in range(7):
+        cos = [float(torch.nn.functional.cosine_similarity(x[i], x[j], dim=0)) for j in range(7)]
+        same = [(cos[j] - 1) ** 2 for j in range(7) if j != i and labels[j] == labels[i]]
+        other = [cos[j] ** 2 for j in range(7) if labels[j] != labels[i]]
+        expected.append((sum(same) / len(same) + sum(other) / len(other)) / 2)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-5, rtol=1e-5)
+    alone = fp32_pair_losses(features[:3], torch.tensor([0, 1, 1]))  # row 0 has no same-label partner
+    c = torch.nn.functional.cosine_similarity(x[0:1], x[1:3]).pow(2).mean()
+    torch.testing.assert_close(alone[0].double(), c, atol=1e-5, rtol=1e-5)
+
+
 FEW = {
     "model.name_or_path": "minilm-l6",
     "model.architecture": ...,
@@ -105,6 +125,8 @@ FEW = {
     "train.gradient_accumulation_steps": 1,
     "train.learning_rate": 5e-5,
     "train.max_steps": 4,
+    "train.epochs": 2,
+    "train.contrastive_steps": 3,  # stopped inside the contrastive opening, resumed across its end
     "checkpoint.every_steps": 3,
     "model.dropout": 0.0,
 }
@@ -129,6 +151,7 @@ def test_fewshot_run_resumes_exactly_and_final_predicts_in_pipeline(
     assert "bert.encoder.layer.6.attention.self.query.weight" in ref  # MiniLM's 6 layers and the mean layer
     log = (tmp_path / "ref" / "run" / "train.log").read_text()
     assert "head init: a logistic regression" in log and "model.pooling=mean" in log
+    assert "step 3: contrastive steps done; head init: a logistic regression" in log
     # final/ in a pipeline: the same probabilities as the stock class loaded by hand, text by text
     clf = pipeline("text-classification", model=str(final), top_k=None)
     model = AutoModelForSequenceClassification.from_pretrained(str(final)).eval()

@@ -438,6 +438,15 @@ class TrainConfig(_Section):
         description="single-label cross-entropy against (1 - e) x the label + e spread evenly over the classes "
         "(torch's label_smoothing); 0: none",
     )
+    contrastive_steps: int = Field(
+        0,
+        ge=0,
+        description="optimizer steps of contrastive tuning that open the run (single-label, few rows a class): the "
+        "features the output layer reads, compared by cosine between every two rows of a micro-batch, pulled to 1 "
+        "for rows of one label and to 0 for rows of different labels, same- and different-label pairs weighing "
+        "alike (SetFit's objective, over the micro-batch's pairs); after the last of them the output layer is "
+        "refitted as model.head_init=probe does, and the classification loss takes over; 0: none",
+    )
     early_stopping_patience: PositiveInt | None = Field(
         None, description="stop after this many evaluations without improving checkpoint.best_metric"
     )
@@ -831,6 +840,8 @@ class Config(_Section):
             )
         if kind != SINGLE and self.train.class_weights is not None:
             raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
+        if kind != SINGLE and self.train.contrastive_steps:
+            raise ValueError(f"train.contrastive_steps pairs rows by their one label: single-label data, not {kind}")
         if kind != SINGLE and self.model.head_init == "probe":
             raise ValueError(f"model.head_init=probe fits a single-label logistic regression, not {kind}")
         if kind == REGRESSION and self.train.loss == "focal":

@@ -113,6 +113,21 @@ def fp32_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothi
     return F.cross_entropy(logits.float(), labels, reduction="none", label_smoothing=label_smoothing)
 
 
+def fp32_pair_losses(features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's contrastive loss against the other rows of its micro-batch, in fp32 (`train.contrastive_steps`):
+    the mean of (cos - 1)^2 over the rows of its label and the mean of cos^2 over the rows of other labels,
+    averaged (a row without partners of one kind takes the other mean alone)."""
+    e = F.normalize(features.float(), dim=-1)
+    cos = e @ e.T
+    same = labels[:, None] == labels[None, :]
+    own = torch.eye(len(labels), dtype=torch.bool, device=labels.device)
+    pos, neg = (same & ~own).float(), (~same).float()
+    pulled = ((cos - 1) ** 2 * pos).sum(1) / pos.sum(1).clamp(min=1)
+    pushed = (cos**2 * neg).sum(1) / neg.sum(1).clamp(min=1)
+    kinds = (pos.sum(1) > 0).float() + (neg.sum(1) > 0).float()
+    return (pulled + pushed) / kinds.clamp(min=1)
+
+
 def fp32_per_sample_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,

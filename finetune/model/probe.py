@@ -9,7 +9,8 @@ lbfgs, the head SetFit fits) does the fitting.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,26 @@ from finetune.model.load import output_layer
 
 INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 ABSENT_LOGIT = -10.0  # the bias of a class no training row has: never predicted over one that has rows
+
+
+class HeadInput:
+    """The input of a model's output layer at its latest forward (None until one ran)."""
+
+    value: torch.Tensor | None = None
+
+
+@contextmanager
+def head_input(model: torch.nn.Module, keep: bool = True) -> Iterator[HeadInput]:
+    """Within the block, `.value` holds what `model`'s output layer read (`train.contrastive_steps` compares it);
+    `keep=False` hooks nothing."""
+    tap = HeadInput()
+    layer = output_layer(model) if keep else None
+    handle = layer.register_forward_pre_hook(lambda _m, args: setattr(tap, "value", args[0])) if layer else None
+    try:
+        yield tap
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def probe_features(model: torch.nn.Module, batches: Iterable[dict[str, Any]]) -> tuple[np.ndarray, ...]:
