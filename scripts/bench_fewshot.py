@@ -114,14 +114,17 @@ def cli(args: list[str]) -> None:
         raise SystemExit(f"finetune {' '.join(args)} failed: {proc.stderr[-3000:]}")
 
 
-def ours(rows: list[tuple[str, str]], test: list[tuple[str, str]], model: str, folder: Path) -> tuple[float, float]:
-    """(test accuracy, seconds of init + train) of `finetune init --model MODEL` then `finetune train`."""
+def ours(
+    rows: list[tuple[str, str]], test: list[tuple[str, str]], model: str, folder: Path, overrides: list[str]
+) -> tuple[float, float]:
+    """(test accuracy, seconds of init + train) of `finetune init --model MODEL` then `finetune train` (with
+    `overrides`: a variant's dotted keys on the command line, the config as written otherwise)."""
     write_csv(folder / "train.csv", rows)
     write_csv(folder / "test.csv", test)
     config = folder / "init.yaml"
     start = time.perf_counter()
     cli(["init", str(folder / "train.csv"), "-o", str(config), "--model", model, "--force"])
-    cli(["train", "--config", str(config), f"run.output_dir={folder / 'run'}", "run.overwrite=true"])
+    cli(["train", "--config", str(config), f"run.output_dir={folder / 'run'}", "run.overwrite=true", *overrides])
     wall = time.perf_counter() - start
     out = folder / "predictions.jsonl"
     cli(
@@ -161,7 +164,7 @@ def setfit(rows: list[tuple[str, str]], test: list[tuple[str, str]], model: str,
 
 
 def job_key(r: dict[str, Any]) -> tuple[Any, ...]:
-    return (r["data"], r["shots"], r["model"], r["system"], r["split"])
+    return (r["data"], r["shots"], r["model"], r["system"], r["split"], r.get("variant", ""))
 
 
 def run_jobs(args: argparse.Namespace) -> None:
@@ -175,11 +178,13 @@ def run_jobs(args: argparse.Namespace) -> None:
                 for model in args.models:
                     for system in args.systems:
                         job = {"data": name, "shots": shots, "model": model, "system": system, "split": split}
+                        if system == "finetune" and args.variant:
+                            job |= {"variant": args.variant, "overrides": args.set}
                         if job_key(job) in done:
                             continue
                         folder = args.work / f"{name}-{shots}-{model}-{split}"
                         if system == "finetune":
-                            acc, wall = ours(rows, test, model, folder / "ours")
+                            acc, wall = ours(rows, test, model, folder / f"ours{args.variant}", args.set)
                         else:
                             acc, wall = setfit(rows, test, model, split)
                         job |= {"accuracy": round(acc, 4), "wall_s": round(wall, 1), "test_rows": len(test)}
@@ -191,7 +196,8 @@ def summarize(args: argparse.Namespace) -> None:
     rows = [json.loads(x) for x in (args.work / "results.jsonl").read_text().splitlines()]
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["data"], r["shots"], r["model"], r["system"]), []).append(r)
+        system = r["system"] + (f" {r['variant']}: {' '.join(r['overrides'])}" if r.get("variant") else "")
+        groups.setdefault((r["data"], r["shots"], r["model"], system), []).append(r)
     table, records = [], []
     for (name, shots, model, system), g in sorted(groups.items()):
         accs, walls = [r["accuracy"] for r in g], [r["wall_s"] for r in g]
@@ -228,6 +234,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["minilm-l6"])
     p.add_argument("--systems", nargs="+", default=["finetune", "setfit"], choices=["finetune", "setfit"])
     p.add_argument("--work", type=Path, default=Path("/tmp/bench_fewshot"))
+    p.add_argument("--variant", default="", help="a name for --set's overrides (results kept apart)")
+    p.add_argument("--set", nargs="*", default=[], help="dotted overrides for our train command (a try)")
     p.add_argument("--summarize", action="store_true", help="print the table of the work folder's results")
     p.add_argument("--record", action="store_true", help="with --summarize: append docs/results/fewshot.jsonl")
     args = p.parse_args()

@@ -66,6 +66,27 @@ def test_mean_layer_reads_the_masked_mean_of_the_token_states(tokenizer: Any) ->
     assert not any(p.requires_grad for p in model.bert.encoder.layer[-1].parameters())
 
 
+def test_mpnet_gets_the_layer_in_its_own_names_and_an_identity_head_dense() -> None:
+    from transformers import MPNetConfig
+
+    torch.manual_seed(0)
+    config = MPNetConfig(
+        vocab_size=30527, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    ids = torch.tensor([[0, 100, 200, 300, 2, 1], [0, 150, 250, 2, 1, 1]])
+    mask = (ids != 1).long()
+    with torch.no_grad():
+        states = model.mpnet(input_ids=ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).float()
+        expected = torch.nn.functional.layer_norm((states * m).sum(1) / m.sum(1), (32,), eps=config.layer_norm_eps)
+        append_mean_layer(model)
+        got = model.mpnet(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0]
+    # the relative position bias (random and small here) tilts the even weights: near the mean, not at it
+    assert (got - expected).abs().max() < 0.25
+    assert torch.equal(model.classifier.dense.weight, torch.eye(32)) and model.config.num_hidden_layers == 3
+
+
 def test_mean_layer_refuses_an_unknown_family() -> None:
     model = AutoModelForSequenceClassification.from_config(
         __import__("transformers").DistilBertConfig(vocab_size=100, dim=32, n_layers=1, n_heads=2, hidden_dim=64)
