@@ -204,7 +204,10 @@ def summarize(args: argparse.Namespace) -> None:
         mean, std = statistics.mean(accs), statistics.pstdev(accs)
         table.append([name, shots, model, system, len(g), f"{mean:.4f}", f"{std:.4f}", f"{statistics.mean(walls):.0f}"])
         seeds = sorted(r["split"] for r in g)
-        what = f"{name}, {shots} rows a class, {model}: {system} (mean over {len(g)} splits)"
+        what = (
+            f"{name}, {shots} rows a class, {model}: {system} (mean over {len(g)} splits, std {std:.4f}, "
+            f"wall {statistics.mean(walls):.0f} s)"
+        )
         records.append(
             benchlib.record_fields("fewshot", what, "test accuracy", round(mean, 4), None, seeds)
             | {

@@ -94,6 +94,6 @@ def probe_head(model: PreTrainedModel, batches: Iterable[dict[str, Any]]) -> str
             layer.bias.copy_(bias.to(layer.bias.dtype))
     accuracy = float((fit.predict(x) == y).mean()) if len(y) else 0.0
     return (
-        f"head init: a logistic regression on the starting model's features of {len(y)} training rows "
+        f"head init: a logistic regression on the model's features of {len(y)} training rows "
         f"({len(classes)} classes, training accuracy {accuracy:.3f}) written into the output layer"
     )
