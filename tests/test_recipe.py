@@ -77,6 +77,8 @@ def test_init_on_many_small_classes_writes_and_says_the_few_shot_recipe(
     assert cfg.train.epochs == fixed["epochs"] and cfg.train.learning_rate == fixed["learning_rate"]
     assert cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps == recipe_module.FEWSHOT_BATCH
     assert cfg.train.early_stopping_patience is None and cfg.checkpoint.export == "last"
+    steps = fixed["epochs"] * 30  # 480 rows in steps of 16
+    assert cfg.train.contrastive_steps == round(recipe_module.FEWSHOT_CONTRASTIVE * steps)
     assert "40 classes, 12 training rows a class" in err and "few-shot recipe" in err
     assert "stopping point: fixed, not chosen on validation" in err
 

@@ -61,11 +61,13 @@ BEST_WITHIN_SE = 1.0
 # A handful of rows a class (at most FEWSHOT_ROWS on average): no validation slice worth the name can be carved,
 # and a randomly initialised head fine-tuned for a few steps stays near chance. The few-shot recipe reads the
 # encoder through mean pooling (model.pooling=mean), starts the head from a logistic regression on those features
-# (model.head_init=probe) and fine-tunes everything for a fixed number of passes at FEWSHOT's rate, every row in
-# training; how the constants were chosen is in docs/ARCHITECTURE.md ("A handful of rows a class").
+# (model.head_init=probe), tunes the encoder contrastively for the first half of a fixed number of passes
+# (train.contrastive_steps; the head refitted after it), then with the classification loss, every row in training;
+# how the constants were chosen is in docs/ARCHITECTURE.md ("A handful of rows a class").
 FEWSHOT_ROWS = 64
 FEWSHOT_MIN_ROWS = 2  # rows a class the few-shot path needs (a class of one row is a label with no example to learn)
-FEWSHOT = {"epochs": 20, "learning_rate": 5e-5, "warmup_ratio": 0.1}
+FEWSHOT = {"epochs": 40, "learning_rate": 5e-5, "warmup_ratio": 0.1}
+FEWSHOT_CONTRASTIVE = 0.5  # the share of the steps that are contrastive
 FEWSHOT_BATCH = 16  # rows a step: a few dozen rows still make several steps a pass
 
 KINDS = {SINGLE: "single-label", MULTI: "multi-label", REGRESSION: "regression"}
@@ -299,11 +301,14 @@ def fewshot(shape: Shape) -> Recipe:
     r.train |= FEWSHOT
     batch = min(shape.batch, FEWSHOT_BATCH)
     steps = FEWSHOT["epochs"] * math.ceil(shape.rows / batch)
+    r.train["contrastive_steps"] = contrastive = round(FEWSHOT_CONTRASTIVE * steps)
     r.notes.append(
         f"{classes} classes, {per_class:,.0f} training rows a class (at most {FEWSHOT_ROWS} a class on average): the "
         "few-shot recipe: the encoder read through mean pooling (model.pooling=mean), the head started from a "
         f"logistic regression on those features (model.head_init=probe), then {FEWSHOT['epochs']} passes at "
-        f"learning rate {FEWSHOT['learning_rate']:g} ({steps} steps)"
+        f"learning rate {FEWSHOT['learning_rate']:g} ({steps} steps): the first {contrastive} contrastive "
+        "(train.contrastive_steps: rows of one label pulled together, of different labels apart; the head refitted "
+        "after them), the rest with the classification loss"
     )
     validation = (
         f"the {shape.validation:,} rows of the validation file are scored at the end"
