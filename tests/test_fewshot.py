@@ -186,3 +186,25 @@ def test_fewshot_run_resumes_exactly_and_final_predicts_in_pipeline(
         assert by_label.keys() == expected.keys()
         assert all(abs(by_label[k] - expected[k]) < 1e-5 for k in expected)
     assert json.loads((final / "config.json").read_text())["finetune_mean_pooling"] is True
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        ({"train": {"contrastive_steps": 4}, "data": {"packing": True}}, "not with data.packing"),
+        ({"train": {"contrastive_steps": 4}, "model": {"problem_type": "regression"}}, "single-label data"),
+        ({"model": {"head_init": "probe", "problem_type": "multi_label_classification"}}, "single-label logistic"),
+    ],
+)
+def test_few_shot_keys_refuse_what_they_cannot_do(keys: dict[str, Any], said: str) -> None:
+    from finetune.config.files import validate_config
+
+    raw: dict[str, Any] = {
+        "run": {"output_dir": "x"},
+        "model": {"name_or_path": "minilm-l6"},
+        "data": {"train_file": "t"},
+    }
+    for section, values in keys.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(UserError, match=said):
+        validate_config(raw)

@@ -842,6 +842,11 @@ class Config(_Section):
             raise ValueError(f"train.class_weights weights classes of single-label data, not {kind}")
         if kind != SINGLE and self.train.contrastive_steps:
             raise ValueError(f"train.contrastive_steps pairs rows by their one label: single-label data, not {kind}")
+        if self.train.contrastive_steps and (self.data.packing or self.distill.teacher is not None):
+            raise ValueError(
+                "train.contrastive_steps compares one row's features with another's: not with data.packing (rows "
+                "share a sequence) nor distill.teacher (the student learns the teacher's outputs)"
+            )
         if kind != SINGLE and self.model.head_init == "probe":
             raise ValueError(f"model.head_init=probe fits a single-label logistic regression, not {kind}")
         if kind == REGRESSION and self.train.loss == "focal":
