@@ -186,6 +186,8 @@ def test_fewshot_run_resumes_exactly_and_final_predicts_in_pipeline(
         assert by_label.keys() == expected.keys()
         assert all(abs(by_label[k] - expected[k]) < 1e-5 for k in expected)
     assert json.loads((final / "config.json").read_text())["finetune_mean_pooling"] is True
+    card = (final / "README.md").read_text()
+    assert "- mean pooling:" in card and "the first 3 optimizer steps were contrastive" in card
 
 
 @pytest.mark.parametrize(

@@ -166,6 +166,24 @@ def distill_lines(cfg: Config, unlabeled: int) -> list[str]:
     ]
 
 
+def fewshot_lines(cfg: Config) -> list[str]:
+    """The card's lines on mean pooling, a probe head and a contrastive opening (the few-shot recipe's keys)."""
+    m, lines = cfg.model, []
+    if m.pooling == "mean":
+        lines.append(
+            "- mean pooling: the encoder's last layer is a frozen one that puts the mean of the token states into "
+            "the first position, which the classifier reads (`model.pooling: mean`; `num_hidden_layers` counts it)"
+        )
+    if m.head_init == "probe":
+        lines.append("- the output layer started from a logistic regression on the training rows' features")
+    if cfg.train.contrastive_steps:
+        lines.append(
+            f"- the first {cfg.train.contrastive_steps} optimizer steps were contrastive (rows of one label pulled "
+            "together, of different labels apart), the head refitted after them"
+        )
+    return lines
+
+
 def model_card(
     cfg: Config,
     final: dict[str, Any],
@@ -234,6 +252,7 @@ def model_card(
         f"- precision: `{cfg.precision.mode}`; optimizer `{cfg.train.optimizer}`, learning rate "
         f"{cfg.train.learning_rate:g}, {cfg.train.epochs:g} epoch(s), max length {cfg.data.max_length} tokens",
         *distill_lines(cfg, unlabeled),
+        *fewshot_lines(cfg),
         *memory_lines(memory),
         "",
         "The resolved training config (`finetune train --config` reproduces the run with the same data):",
