@@ -490,3 +490,16 @@ def test_init_sees_a_table_as_training_reads_it(tmp_path: Path, capfd: pytest.Ca
     trained = read_file(cfg, path)
     assert sniffed.columns[" review "] == trained[" review "][:] == [r.split("\t")[0] for r in rows]
     assert "2 classes, 25 training rows a class" in capfd.readouterr().err  # 50 rows, few-shot: none held out
+
+
+def test_a_comma_file_without_quotes_is_read_with_standard_quoting(tmp_path: Path) -> None:
+    # no quote anywhere: both parses agree, and minimal lets a test file with quoted commas be read alike
+    rows = "".join(f"message number {i} with no quotes,{'spam' if i % 2 else 'ham'}\n" for i in range(40))
+    (tmp_path / "train.csv").write_text("text,label\n" + rows)
+    (tmp_path / "test.csv").write_text('text,label\n"hello, and a comma",ham\n')
+    out = tmp_path / "c.yaml"
+    assert _init(tmp_path / "train.csv", out) == 0
+    cfg = load_config(out)
+    assert cfg.data.quoting == "minimal"
+    cfg.data.test_file = str(tmp_path / "test.csv")
+    assert load_raw_splits(cfg).test["text"] == ["hello, and a comma"]

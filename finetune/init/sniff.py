@@ -119,8 +119,10 @@ def sniff_table(path: Path, limit: int = 64 << 20) -> Sniffed:
         )
     counts = {name: sum(1 for r in parsed[name] if r) for name in consistent}
     # CSV-style quoting shows as doubled quotes inside quoted fields; without them a quote is text
-    # (and a quote-aware parse that joins lines into one row is wrong anyway)
-    csv_style = '""' in text or "none" not in consistent
+    # (and a quote-aware parse that joins lines into one row is wrong anyway). A comma file with no quote at all
+    # reads alike both ways: the standard (minimal) then, which other files of its kind (a test file written by
+    # a CSV writer, `finetune predict`'s input) need for their quoted commas
+    csv_style = '""' in text or (delimiter == "," and '"' not in text) or "none" not in consistent
     quoting = (
         "minimal"
         if "minimal" in consistent and counts["minimal"] == max(counts.values()) and csv_style
