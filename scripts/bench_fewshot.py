@@ -143,8 +143,11 @@ def ours(
     return sum(g == y for g, (_, y) in zip(got, test, strict=True)) / len(test), wall
 
 
-def setfit(rows: list[tuple[str, str]], test: list[tuple[str, str]], model: str, seed: int) -> tuple[float, float]:
-    """(test accuracy, seconds of model load + training) of SetFit with its defaults (SETFIT)."""
+def setfit(
+    rows: list[tuple[str, str]], test: list[tuple[str, str]], model: str, seed: int, folder: Path
+) -> tuple[float, float]:
+    """(test accuracy, seconds of model load + training) of SetFit with its defaults (SETFIT); its checkpoints go
+    to `folder` and nothing is reported to experiment trackers (its defaults write ./checkpoints and mlflow.db)."""
     from datasets import Dataset
     from setfit import SetFitModel, Trainer, TrainingArguments
 
@@ -154,7 +157,7 @@ def setfit(rows: list[tuple[str, str]], test: list[tuple[str, str]], model: str,
     fit = SetFitModel.from_pretrained(resolve_model_path(model))
     trainer = Trainer(
         model=fit,
-        args=TrainingArguments(seed=seed, **SETFIT),
+        args=TrainingArguments(seed=seed, output_dir=str(folder), report_to="none", **SETFIT),
         train_dataset=Dataset.from_dict({"text": [t for t, _ in rows], "label": [y for _, y in rows]}),
     )
     trainer.train()
@@ -186,7 +189,7 @@ def run_jobs(args: argparse.Namespace) -> None:
                         if system == "finetune":
                             acc, wall = ours(rows, test, model, folder / f"ours{args.variant}", args.set)
                         else:
-                            acc, wall = setfit(rows, test, model, split)
+                            acc, wall = setfit(rows, test, model, split, folder / "setfit")
                         job |= {"accuracy": round(acc, 4), "wall_s": round(wall, 1), "test_rows": len(test)}
                         print(json.dumps(job), flush=True)
                         benchlib.append_jsonl(results, [job])
@@ -208,8 +211,16 @@ def summarize(args: argparse.Namespace) -> None:
             f"{name}, {shots} rows a class, {model}: {system} (mean over {len(g)} splits, std {std:.4f}, "
             f"wall {statistics.mean(walls):.0f} s)"
         )
+        variant = g[0].get("variant")
+        run = (
+            f".venv/bin/python scripts/bench_fewshot.py --data {name} --shots {shots} --splits {len(g)} "
+            f"--models {model} --systems {g[0]['system']} --work {args.work}"
+            + (f" --variant {variant} --set {' '.join(g[0]['overrides'])}" if variant else "")
+            + "   # then --summarize --record"
+        )
         records.append(
             benchlib.record_fields("fewshot", what, "test accuracy", round(mean, 4), None, seeds)
+            | {"command": run}
             | {
                 "std": round(std, 4),
                 "wall_s": round(statistics.mean(walls), 1),
