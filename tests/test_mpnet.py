@@ -493,7 +493,7 @@ def test_init_with_mpnet_writes_its_recipe_and_the_file_trains(
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
     words = "the film is a long and winding story of love loss and hope told with care".split()
-    rows = [(" ".join(words[(i + j) % len(words)] for j in range(150)), i % 2) for i in range(40)]
+    rows = [(" ".join(words[(i + j) % len(words)] for j in range(150)), i % 2) for i in range(160)]  # not few-shot
     data = tmp_path / "long.csv"
     data.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
     out = tmp_path / "long.yaml"

@@ -251,9 +251,7 @@ def model_card(
         "",
         f"- precision: `{cfg.precision.mode}`; optimizer `{cfg.train.optimizer}`, learning rate "
         f"{cfg.train.learning_rate:g}, {cfg.train.epochs:g} epoch(s), max length {cfg.data.max_length} tokens",
-        *distill_lines(cfg, unlabeled),
-        *fewshot_lines(cfg),
-        *memory_lines(memory),
+        *distill_lines(cfg, unlabeled) + fewshot_lines(cfg) + memory_lines(memory),
         "",
         "The resolved training config (`finetune train --config` reproduces the run with the same data):",
         "",
