@@ -47,22 +47,19 @@ def head_input(model: torch.nn.Module, keep: bool = True) -> Iterator[HeadInput]
 def probe_features(model: torch.nn.Module, batches: Iterable[dict[str, Any]]) -> tuple[np.ndarray, ...]:
     """(features, labels, weights): what the output layer reads for each row of `batches` (eval mode, no
     gradients), with the rows' labels and sample weights (1 where the batches carry none)."""
-    layer = output_layer(model)
-    assert layer is not None
-    captured: list[torch.Tensor] = []
-    hook = layer.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach().float().cpu()))
-    labels, weights = [], []
+    captured, labels, weights = [], [], []
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     try:
-        with torch.no_grad():
+        with torch.no_grad(), head_input(model) as tap:
             for batch in batches:
                 model(**{k: batch[k].to(device) for k in INPUT_KEYS if k in batch})
+                assert tap.value is not None
+                captured.append(tap.value.float().cpu())
                 labels.append(batch["labels"].cpu())
                 weights.append(batch.get("sample_weight", torch.ones(len(batch["labels"]))).float().cpu())
     finally:
-        hook.remove()
         model.train(was_training)
     return torch.cat(captured).numpy(), torch.cat(labels).numpy(), torch.cat(weights).numpy()
 
