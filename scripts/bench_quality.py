@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 from bench_imbalance import run
-from benchlib import ROOT, record_fields
+from benchlib import ROOT, pair_f1, record_fields
 from sklearn.metrics import f1_score
 
 from finetune.core.fileio import read_jsonl  # importable once benchlib has put the repository on sys.path
@@ -89,19 +89,6 @@ def headline(final: dict, key: str) -> tuple[float, list[float] | None]:
     return node[last], node.get(f"{last}_ci")
 
 
-def f1_interval(run_dir: Path, resamples: int = 1000, seed: int = 42) -> list[float]:
-    """A percentile bootstrap of the positive (last) class's F1 on validation, from predictions.jsonl:
-    eval.json's own intervals cover accuracy and macro-F1, not a pair task's paraphrase F1."""
-    rows = [r for r in read_jsonl(run_dir / "predictions.jsonl") if r["split"] == "validation"]
-    positive = list(rows[0]["probabilities"])[-1]
-    gold = np.array([r["gold"] == positive for r in rows])
-    pred = np.array([r["prediction"] == positive for r in rows])
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(rows), size=(resamples, len(rows)))
-    scores = [f1_score(gold[i], pred[i], zero_division=0) for i in draws]
-    return [float(np.percentile(scores, 2.5)), float(np.percentile(scores, 97.5))]
-
-
 def first_eval(run_dir: Path, step: int) -> float | None:
     for row in read_jsonl(run_dir / "metrics.jsonl"):
         if row.get("step") == step and "eval_pearson" in row:
@@ -121,7 +108,7 @@ def bench(
             final, wall = run(config, overrides + keep_evals(config) + EXTRA.get(task, []), run_dir)
             value, ci = headline(final, key)
             if key == "f1" and ci is None:
-                ci = f1_interval(run_dir)
+                ci = pair_f1(run_dir)[1]
             row = {"seed": seed, key: value, "ci": ci, "wall_s": wall}
             if task == "stsb":
                 row["pearson_at_60"] = first_eval(run_dir, 60)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +53,21 @@ def record_fields(area: str, what: str, metric: str, value: float, interval: Any
         "commit": commit.stdout.strip() or "unknown",
         "command": shlex.join([".venv/bin/python", str(where), *sys.argv[1:]]),
     }
+
+
+def pair_f1(run_dir: Path, resamples: int = 1000, seed: int = 42) -> tuple[float, list[float]]:
+    """A pair task's F1 (the positive, last, class's) on validation with its percentile bootstrap interval, from the
+    run's predictions.jsonl: eval.json's own intervals cover accuracy and macro-F1, not a paraphrase F1."""
+    from sklearn.metrics import f1_score
+
+    rows = [r for r in read_jsonl(run_dir / "predictions.jsonl") if r["split"] == "validation"]
+    positive = list(rows[0]["probabilities"])[-1]
+    gold = np.array([r["gold"] == positive for r in rows])
+    pred = np.array([r["prediction"] == positive for r in rows])
+    draws = np.random.default_rng(seed).integers(0, len(rows), size=(resamples, len(rows)))
+    scores = [f1_score(gold[i], pred[i], zero_division=0) for i in draws]
+    value = float(f1_score(gold, pred, zero_division=0))
+    return value, [float(np.percentile(scores, 2.5)), float(np.percentile(scores, 97.5))]
 
 
 def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
