@@ -236,8 +236,11 @@ def summarize(args: argparse.Namespace) -> None:
             ["data", "rows a class", "model", "system", "splits", "accuracy mean", "std", "wall s"], table
         )
     )
-    if args.record:
-        benchlib.append_jsonl(ROOT / "docs" / "results" / "fewshot.jsonl", records)
+    if args.record:  # a group recorded before, unchanged, is not recorded again
+        path = ROOT / "docs" / "results" / "fewshot.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        old = {(r["what"], r["value"]) for r in map(json.loads, lines)}
+        benchlib.append_jsonl(path, [r for r in records if (r["what"], r["value"]) not in old])
 
 
 def main() -> None:
