@@ -279,8 +279,9 @@ def main() -> None:
                 append_jsonl(saved, [r])
     print(table(results))
     if args.record:
-        measured = re.sub(r" --summarize| --record \S+", "", records(results)[0]["command"])  # the runs' command
-        append_jsonl(args.record, [r | {"command": measured} for r in records(results)])
+        rows = records(results)
+        measured = re.sub(r" --summarize| --record \S+", "", rows[0]["command"])  # the command that ran them
+        append_jsonl(args.record, [r | {"command": measured} for r in rows])
 
 
 if __name__ == "__main__":
