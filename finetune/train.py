@@ -432,7 +432,7 @@ def sample_losses(
     logits (`teacher`; `gold` 0.0 marks an unlabeled row)."""
     if teacher is not None and gold is not None:
         d = cfg.distill
-        return fp32_distill_loss(logits, labels, teacher, gold, cfg.model.problem_type, d.temperature, d.alpha)
+        return fp32_distill_loss(logits, labels, teacher, gold, cfg.model.problem_type, d.temperature, d.alpha, d.loss)
     gamma = cfg.train.focal_gamma if cfg.train.loss == "focal" else None
     return fp32_per_sample_loss(logits, labels, cfg.model.problem_type, gamma, cfg.train.label_smoothing)
 

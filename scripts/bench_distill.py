@@ -17,8 +17,13 @@ no unlabeled pairs); AG News (the 8,000-row sample, scored on the 7,600-row test
 train_8k). Everything lands in --work (default /tmp/bench_distill); a rerun reuses finished runs, exports and
 timings, so an interrupted bench continues.
 
+A try (`--variant NAME --set key=value ...`): the student runs of --kinds again with the overrides, into their own
+folders (`<kind>-seed<N>-<NAME>`, a distillation starting from the shipped run's teacher cache), recorded as their own
+rows; the teacher and the prediction speeds are the shipped recipe's and are not run or recorded again.
+
     .venv/bin/python scripts/bench_distill.py [--datasets sst2 mrpc agnews] [--seeds 0 1 2] [--predict-rows 5000]
         [--work DIR] [--summarize] [--record docs/results/distill.jsonl]
+        [--variant NAME --set key=value ... [--kinds labels distilled]]
 """
 
 from __future__ import annotations
@@ -102,7 +107,13 @@ def unlabeled_file(name: str, work: Path) -> Path | None:
 
 
 def run(
-    kind: str, spec: dict[str, Any], run_dir: Path, seed: int | None, teacher: Path | None, extra: Path | None
+    kind: str,
+    spec: dict[str, Any],
+    run_dir: Path,
+    seed: int | None,
+    teacher: Path | None,
+    extra: Path | None,
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One training run (a finished one is read again): its eval.json (with a pair task's F1) and wall time."""
     done = run_dir / "bench.json"
@@ -112,6 +123,7 @@ def run(
         config = spec["teacher"] if kind == "teacher" else spec["student"]
         common = ["--config", str(config), f"run.output_dir={run_dir}", "run.overwrite=true"]
         common += [f"run.seed={42 + seed}"] if seed is not None else []
+        common += list(overrides)
         if kind == "distilled":
             assert teacher is not None
             args = ["distill", "--teacher", str(teacher), *common]
@@ -161,19 +173,25 @@ def texts_per_s(model: Path, backend: str, spec: dict[str, Any], rows: int, work
     return rate
 
 
-def one(name: str, seeds: list[int], work: Path, rows: int) -> list[dict[str, Any]]:
-    """Every run and timing of one data set: one result per run, then one for the prediction speeds."""
+def one(name: str, seeds: list[int], work: Path, rows: int, try_: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every run and timing of one data set: one result per run, then one for the prediction speeds. With a try
+    (`{"variant", "overrides", "kinds"}`) only its student runs."""
     spec, cell = SETS[name], work / name
     extra = unlabeled_file(name, work)
     teacher = run("teacher", spec, cell / "teacher", None, None, None)
     final = cell / "teacher" / "final"
-    results = [{"dataset": name, "kind": "teacher", "seed": None, **teacher}]
+    results = [] if try_ else [{"dataset": name, "kind": "teacher", "seed": None, **teacher}]
+    tag, overrides = (f"-{try_['variant']}", tuple(try_["overrides"])) if try_ else ("", ())
     for seed in seeds:
-        for kind in ("labels", "distilled"):
-            if kind == "distilled" and seed != seeds[0]:
-                share_teacher_cache(cell / f"distilled-seed{seeds[0]}", cell / f"distilled-seed{seed}")
-            got = run(kind, spec, cell / f"{kind}-seed{seed}", seed, final, extra)
-            results.append({"dataset": name, "kind": kind, "seed": seed, **got})
+        for kind in try_["kinds"] if try_ else ("labels", "distilled"):
+            run_dir = cell / f"{kind}-seed{seed}{tag}"
+            if kind == "distilled" and run_dir != cell / f"distilled-seed{seeds[0]}":
+                share_teacher_cache(cell / f"distilled-seed{seeds[0]}", run_dir)
+            got = run(kind, spec, run_dir, seed, final, extra, overrides)
+            variant = {"variant": try_["variant"], "overrides": try_["overrides"]} if try_ else {}
+            results.append({"dataset": name, "kind": kind, "seed": seed, **variant, **got})
+    if try_:
+        return results
     student = cell / f"distilled-seed{seeds[0]}" / "final"
     onnx = cell / "student-int8"
     if not (onnx / "model.onnx").is_file():
@@ -199,8 +217,14 @@ def _label(split: str | None, key: str) -> str:
 def groups(results: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
     """The training results by data set and kind, in first-seen order (prediction speeds apart)."""
     trained = [r for r in results if r["kind"] != "predict"]
-    keys = dict.fromkeys((r["dataset"], r["kind"]) for r in trained)
-    return [(n, k, [r for r in trained if (r["dataset"], r["kind"]) == (n, k)]) for n, k in keys]
+    keys = dict.fromkeys((r["dataset"], who(r)) for r in trained)
+    return [(n, k, [r for r in trained if (r["dataset"], who(r)) == (n, k)]) for n, k in keys]
+
+
+def who(r: dict[str, Any]) -> str:
+    """A result's model column: its kind, and a try's name and overrides."""
+    base = KINDS[r["kind"]]
+    return f"{base} ({r['variant']}: {' '.join(r['overrides'])})" if r.get("variant") else base
 
 
 def _middle(group: list[dict[str, Any]], split: str | None, key: str) -> dict[str, Any]:
@@ -218,7 +242,7 @@ def table(results: list[dict[str, Any]]) -> str:
             ci = _metric(_middle(group, split, key), split, key)[1]
             interval = f"{ci[0]:.4f} - {ci[1]:.4f}" if ci else "-"
             walls = float(np.median([r["wall_s"] for r in group]))
-            rows.append([SETS[name]["name"], KINDS[kind], len(group), _label(split, key), float(np.median(values)),
+            rows.append([SETS[name]["name"], kind, len(group), _label(split, key), float(np.median(values)),
                          interval, ", ".join(f"{v:.4f}" for v in values), f"{walls:.0f}"])  # fmt: skip
     header = ["data", "model", "seeds", "metric", "median", "95% interval", "runs", "wall s"]
     speeds = [
@@ -237,7 +261,7 @@ def records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for name, kind, group in groups(results):
         seeds = [r["seed"] for r in group if r["seed"] is not None]
-        what = f"{SETS[name]['name']}: {KINDS[kind]}"
+        what = f"{SETS[name]['name']}: {kind}"
         for split, key in SETS[name]["metrics"]:
             values = [_metric(r, split, key)[0] for r in group]
             ci = _metric(_middle(group, split, key), split, key)[1]
@@ -263,10 +287,18 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_distill"))
     parser.add_argument("--record", type=Path, default=None, help="append the results to this records file")
     parser.add_argument(
-        "--summarize", action="store_true", help="run nothing: the table (and --record) from --work's results.jsonl"
+        "--summarize",
+        action="store_true",
+        help="run nothing: the table (and --record) from --work's results.jsonl (a try's: results-NAME.jsonl)",
     )
+    parser.add_argument("--variant", default=None, help="a name for --set's overrides: a try's runs, kept apart")
+    parser.add_argument("--set", nargs="*", default=[], help="dotted overrides of a try's student runs")
+    parser.add_argument("--kinds", nargs="+", default=["labels", "distilled"], choices=["labels", "distilled"])
     args = parser.parse_args()
-    saved = args.work / "results.jsonl"
+    if bool(args.variant) != bool(args.set):
+        parser.error("--variant and --set go together")
+    try_ = {"variant": args.variant, "overrides": args.set, "kinds": args.kinds} if args.variant else None
+    saved = args.work / (f"results-{args.variant}.jsonl" if args.variant else "results.jsonl")
     if args.summarize:
         results = [json.loads(line) for line in saved.read_text().splitlines() if line.strip()]
     else:
@@ -274,7 +306,7 @@ def main() -> None:
         saved.unlink(missing_ok=True)  # the runs themselves are kept in --work and read again
         results = []
         for name in args.datasets:
-            for r in one(name, args.seeds, args.work, args.predict_rows):
+            for r in one(name, args.seeds, args.work, args.predict_rows, try_):
                 results.append(r)
                 append_jsonl(saved, [r])
     print(table(results))

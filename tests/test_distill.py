@@ -36,7 +36,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _reference(
-    s: torch.Tensor, y: torch.Tensor, t: torch.Tensor, gold: torch.Tensor, kind: str, T: float, alpha: float
+    s: torch.Tensor,
+    y: torch.Tensor,
+    t: torch.Tensor,
+    gold: torch.Tensor,
+    kind: str,
+    T: float,
+    alpha: float,
+    soft_loss: str = "kl",
 ) -> torch.Tensor:
     """The distillation loss per sample in float64, each term written out."""
     s, t = s.double(), t.double()
@@ -55,7 +62,12 @@ def _reference(
             s / T - torch.logsumexp(s / T, -1, keepdim=True),
         )
         soft = (torch.exp(log_q) * (log_q - log_ps)).sum(-1)
-    return alpha * gold * hard + (1 - alpha) * T**2 * soft
+    if soft_loss == "kl":
+        return alpha * gold * hard + (1 - alpha) * T**2 * soft
+    diff = s - t
+    if kind == "single_label_classification":  # a softmax ignores a shift common to all classes
+        diff = diff - diff.mean(-1, keepdim=True)
+    return alpha * gold * hard + (1 - alpha) * (diff**2).mean(-1)
 
 
 @pytest.mark.parametrize("kind", ["single_label_classification", "multi_label_classification", "regression"])
@@ -70,15 +82,26 @@ def test_distill_loss_matches_the_formula_in_float64(kind: str) -> None:
     else:
         labels = torch.randn(n, generator=g)
     gold = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 1.0])  # unlabeled rows: the teacher's term alone
-    for T, alpha in ((2.0, 0.5), (1.0, 0.0), (4.0, 1.0), (3.0, 0.3)):
-        got = fp32_distill_loss(student.bfloat16(), labels, teacher, gold, kind, T, alpha)
+    for T, alpha, soft_loss in (
+        (2.0, 0.5, "kl"),
+        (1.0, 0.0, "kl"),
+        (4.0, 1.0, "kl"),
+        (3.0, 0.3, "kl"),
+        (2.0, 0.0, "mse"),
+        (1.0, 0.5, "mse"),
+    ):
+        got = fp32_distill_loss(student.bfloat16(), labels, teacher, gold, kind, T, alpha, soft_loss)
         assert got.dtype == torch.float32 and got.shape == (n,)
-        want = _reference(student.bfloat16().float(), labels, teacher, gold, kind, T, alpha)
+        want = _reference(student.bfloat16().float(), labels, teacher, gold, kind, T, alpha, soft_loss)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     # a student that is its teacher has no soft loss: alpha 0 leaves 0 (single-label KL) or the teacher's entropy
     same = fp32_distill_loss(teacher, labels, teacher, gold, kind, 2.0, 0.0)
     if kind != "multi_label_classification":
         torch.testing.assert_close(same, torch.zeros(n), atol=1e-5, rtol=0)
+    # logit matching: a student whose logits are the teacher's (shifted by a constant, for a softmax) has none
+    shift = 5.0 if kind == "single_label_classification" else 0.0
+    matched = fp32_distill_loss(teacher + shift, labels, teacher, gold, kind, 2.0, 0.0, "mse")
+    torch.testing.assert_close(matched, torch.zeros(n), atol=1e-5, rtol=0)
 
 
 def test_distill_refuses_focal_and_label_smoothing(tmp_path: Path) -> None:
@@ -241,7 +264,7 @@ def test_distill_resumed_after_sigterm_equals_uninterrupted(
     report = json.loads((tmp_path / "whole" / "data_report.json").read_text())
     assert report["splits"]["train"]["unlabeled_rows"] == 64
     card = (tmp_path / "whole" / "final" / "README.md").read_text()
-    assert f"distilled from the teacher `{teacher}` (temperature 3, alpha 0.4" in card and "64 unlabeled rows" in card
+    assert f"distilled from the teacher `{teacher}` (KL at temperature 3, alpha 0.4" in card and "64 unlabeled rows" in card
     from transformers import pipeline
 
     clf = pipeline("text-classification", model=str(tmp_path / "whole" / "final"), device="cpu")

@@ -735,6 +735,12 @@ class DistillConfig(_Section):
         description="the weight of the loss against the gold labels; 1 - alpha weighs the loss against the teacher's "
         "outputs (unlabeled rows have the teacher's term only)",
     )
+    loss: Literal["kl", "mse"] = Field(
+        "kl",
+        description="the loss against the teacher's outputs: kl, the temperature-softened KL divergence (x T^2; "
+        "binary cross-entropy per label for multi-label); mse, the squared difference of the logits (centred for "
+        "single-label; the temperature does not enter); regression always matches the teacher's value squared",
+    )
     unlabeled_file: str | None = Field(
         None,
         description="extra texts without labels that the student learns from the teacher's outputs alone, read with "

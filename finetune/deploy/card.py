@@ -158,8 +158,9 @@ def distill_lines(cfg: Config, unlabeled: int) -> list[str]:
     """The card's line on a distilled model's teacher (`distill.*`); none for a model trained on labels alone."""
     if (d := cfg.distill).teacher is None:
         return []
+    soft = f"KL at temperature {d.temperature:g}" if d.loss == "kl" else "squared logit differences"
     return [
-        f"- distilled from the teacher `{d.teacher}` (temperature {d.temperature:g}, alpha {d.alpha:g}: alpha x "
+        f"- distilled from the teacher `{d.teacher}` ({soft}, alpha {d.alpha:g}: alpha x "
         "the loss against the labels + (1 - alpha) x the loss against the teacher's outputs), with "
         f"{unlabeled} unlabeled rows learnt from the teacher alone"
         + (f" (`{Path(d.unlabeled_file).name}`)" if d.unlabeled_file else "")

@@ -161,6 +161,7 @@ def fp32_distill_loss(
     problem_type: str,
     temperature: float,
     alpha: float,
+    soft_loss: str = "kl",
 ) -> torch.Tensor:
     """One fp32 distillation loss per sample, from upcast student and teacher logits: alpha x gold x the loss
     against the label (as `fp32_per_sample_loss`) + (1 - alpha) x the loss against the teacher's outputs.
@@ -173,6 +174,9 @@ def fp32_distill_loss(
       differs from the binary KL by the teacher's entropy, a constant of the student: same gradients, and the
       form torch computes stably from logits.
     - regression: (student - teacher)^2; a temperature has nothing to soften.
+    - `soft_loss="mse"` (logit matching; Kim et al., IJCAI 2021, show that KL tends to it as T grows, and that it
+      distils better): the mean squared difference of the logits, single-label ones centred first since a softmax
+      ignores a shift common to all classes; the temperature does not enter.
 
     Per sample, so the loop weights samples and normalises by the whole window's sample weight as it does the
     plain loss.
@@ -182,6 +186,10 @@ def fp32_distill_loss(
         s, t = s.squeeze(-1), t.squeeze(-1)
         return alpha * gold * (s - labels.float()) ** 2 + (1.0 - alpha) * (s - t) ** 2
     hard = fp32_per_sample_loss(s, labels, problem_type)
+    if soft_loss == "mse":
+        if problem_type == "single_label_classification":
+            s, t = s - s.mean(-1, keepdim=True), t - t.mean(-1, keepdim=True)
+        return alpha * gold * hard + (1.0 - alpha) * ((s - t) ** 2).mean(-1)
     if problem_type == "multi_label_classification":
         target = torch.sigmoid(t / temperature)
         soft = F.binary_cross_entropy_with_logits(s / temperature, target, reduction="none").mean(-1)
