@@ -3,7 +3,8 @@
 Per data set: the MPNet teacher trained once with its shipped config (configs/*-mpnet.yaml), then per seed
 - MiniLM on the labels alone: the shipped configs/*-minilm.yaml, as `finetune train` runs it;
 - MiniLM distilled: `finetune distill --teacher <the teacher's final/>` with the same MiniLM config (distill.*
-  defaults: temperature 2, alpha 0.5), plus the unlabeled texts the data set has;
+  defaults: distill.loss=mse, alpha 0; the recorded rows without a try's name ran with kl, temperature 2, alpha 0.5),
+  plus the unlabeled texts the data set has;
 each run's evaluation metrics with their bootstrap intervals and its wall time. Then, once per data set (seed 0's
 models), `finetune predict` texts/s (a child process timed end to end: start-up, load, reading, prediction, writing)
 of the teacher (PyTorch), the distilled student (PyTorch) and the distilled student as int8 ONNX
@@ -251,8 +252,8 @@ def table(results: list[dict[str, Any]]) -> str:
         if r["kind"] == "predict"
         for who, rate in r["texts_per_s"].items()
     ]
-    speed_table = markdown_table(["data", "`finetune predict`", "texts/s", "texts"], speeds)
-    return markdown_table(header, rows) + "\n\n" + speed_table
+    speed_table = markdown_table(["data", "`finetune predict`", "texts/s", "texts"], speeds) if speeds else ""
+    return markdown_table(header, rows) + ("\n\n" + speed_table if speeds else "")
 
 
 def records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -99,9 +99,12 @@ AREAS: dict[str, tuple[str, str]] = {
         "Distillation: `finetune distill`",
         "scripts/bench_distill.py: an MPNet teacher trained once with its shipped config, then per seed MiniLM's "
         "shipped config on the labels alone against the same config distilled from the teacher (`finetune distill`, "
-        "distill.* defaults: temperature 2, alpha 0.5; SST-2 also learns from the other 51,349 training sentences "
+        "rows without a try's name: distill.loss=kl, temperature 2, alpha 0.5; the try `mse` is today's default; "
+        "SST-2 also learns from the other 51,349 training sentences "
         "without their labels); `finetune predict` texts/s of the teacher, the student and the student as int8 ONNX, "
-        "each a child process timed end to end. value: the median over seeds (runs: every seed's).",
+        "each a child process timed end to end. A try (its name and overrides in the row) reruns the student runs "
+        "with those overrides, from the same teacher and its cached logits. value: the median over seeds (runs: "
+        "every seed's).",
     ),
     "calibration": (
         "Calibration",

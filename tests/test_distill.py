@@ -229,17 +229,22 @@ def test_distill_resumed_after_sigterm_equals_uninterrupted(
     teacher: Path, tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     unlabeled = _unlabeled(tmp_path, data_dir)
-    updates = {"distill.unlabeled_file": str(unlabeled), "distill.temperature": 3.0, "distill.alpha": 0.4}
+    updates = {
+        "distill.unlabeled_file": str(unlabeled),
+        "distill.temperature": 3.0,
+        "distill.alpha": 0.4,
+        "distill.loss": "kl",
+    }
     whole, stopped = _tiny(tmp_path, "whole", **updates), _tiny(tmp_path, "stopped", **updates)
-    calls: list[tuple[float, float]] = []
+    calls: list[tuple[float, float, str]] = []
 
     def counted(*args: object) -> torch.Tensor:
-        calls.append(args[-2:])  # type: ignore[arg-type]
+        calls.append(args[-3:])  # type: ignore[arg-type]
         return fp32_distill_loss(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr("finetune.train.fp32_distill_loss", counted)
     assert cli_main(["distill", "--teacher", str(teacher), "--config", str(whole)]) == 0
-    assert calls == [(3.0, 0.4)] * 8  # every micro-batch of 4 windows of 2 learns from the teacher
+    assert calls == [(3.0, 0.4, "kl")] * 8  # every micro-batch of 4 windows of 2 learns from the teacher
 
     monkeypatch.setenv(faults.ENV, "sigterm_at_step:3")
     assert cli_main(["distill", "--teacher", str(teacher), "--config", str(stopped)]) == 143
@@ -264,7 +269,10 @@ def test_distill_resumed_after_sigterm_equals_uninterrupted(
     report = json.loads((tmp_path / "whole" / "data_report.json").read_text())
     assert report["splits"]["train"]["unlabeled_rows"] == 64
     card = (tmp_path / "whole" / "final" / "README.md").read_text()
-    assert f"distilled from the teacher `{teacher}` (KL at temperature 3, alpha 0.4" in card and "64 unlabeled rows" in card
+    assert (
+        f"distilled from the teacher `{teacher}` (KL at temperature 3, alpha 0.4" in card
+        and "64 unlabeled rows" in card
+    )
     from transformers import pipeline
 
     clf = pipeline("text-classification", model=str(tmp_path / "whole" / "final"), device="cpu")

@@ -729,14 +729,15 @@ class DistillConfig(_Section):
         "multi-label); that loss is scaled by temperature^2 so its gradients keep their size",
     )
     alpha: float = Field(
-        0.5,
+        0.0,
         ge=0.0,
         le=1.0,
         description="the weight of the loss against the gold labels; 1 - alpha weighs the loss against the teacher's "
-        "outputs (unlabeled rows have the teacher's term only)",
+        "outputs (unlabeled rows have the teacher's term only); 0, the student learns from the teacher alone, "
+        "measured ahead of 0.5 with distill.loss=mse (docs/RESULTS.md)",
     )
     loss: Literal["kl", "mse"] = Field(
-        "kl",
+        "mse",
         description="the loss against the teacher's outputs: kl, the temperature-softened KL divergence (x T^2; "
         "binary cross-entropy per label for multi-label); mse, the squared difference of the logits (centred for "
         "single-label; the temperature does not enter); regression always matches the teacher's value squared",
