@@ -161,7 +161,7 @@ def fp32_distill_loss(
     problem_type: str,
     temperature: float,
     alpha: float,
-    soft_loss: str = "kl",
+    soft_loss: str,
 ) -> torch.Tensor:
     """One fp32 distillation loss per sample, from upcast student and teacher logits: alpha x gold x the loss
     against the label (as `fp32_per_sample_loss`) + (1 - alpha) x the loss against the teacher's outputs.
@@ -174,9 +174,10 @@ def fp32_distill_loss(
       differs from the binary KL by the teacher's entropy, a constant of the student: same gradients, and the
       form torch computes stably from logits.
     - regression: (student - teacher)^2; a temperature has nothing to soften.
-    - `soft_loss="mse"` (logit matching; Kim et al., IJCAI 2021, show that KL tends to it as T grows, and that it
-      distils better): the mean squared difference of the logits, single-label ones centred first since a softmax
-      ignores a shift common to all classes; the temperature does not enter.
+    - the above is `soft_loss="kl"` (`distill.loss`, whose default lives in the schema); `soft_loss="mse"` (logit
+      matching; Kim et al., IJCAI 2021, show that KL tends to it as T grows, and that it distils better): the mean
+      squared difference of the logits, single-label ones centred first since a softmax ignores a shift common to
+      all classes; the temperature does not enter.
 
     Per sample, so the loop weights samples and normalises by the whole window's sample weight as it does the
     plain loss.
